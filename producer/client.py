@@ -1,0 +1,286 @@
+"""AsyncProducer: submit jobs, stream their events, fetch results, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from producer.errors import JobFailed, JobRestarted, QueueFull
+from producer.keys import DEFAULT_PREFIX, QueueKeys
+from producer.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerationRequest,
+    InvalidRequest,
+    JobResult,
+    RequeuedEvent,
+    TokenEvent,
+    describe_validation_error,
+    parse_event,
+)
+from producer.subscriber import EventRouter
+
+DEFAULT_STATE_TTL_S = 24 * 3600
+# While a stream is quiet this long, look at the stored result in case the end
+# of the job was published while the pub/sub connection was down.
+RESULT_POLL_S = 2.0
+
+# Atomic: dedupe on the job id, refuse when the backlog is full, enqueue, record state.
+_SUBMIT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {'duplicate', redis.call('HGET', KEYS[1], 'state') or ''}
+end
+local max_backlog = tonumber(ARGV[3])
+if max_backlog > 0 then
+  local backlog = redis.call('XLEN', KEYS[2])
+  if backlog >= max_backlog then return {'full', tostring(backlog)} end
+end
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
+redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'attempts', 0)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {'queued', entry}
+"""
+
+# Mark the job so a worker that has not started it never will, and tell running workers.
+_CANCEL_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return '' end
+if state == 'queued' or state == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel', '1')
+  redis.call('PUBLISH', ARGV[1], ARGV[2])
+end
+return state
+"""
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    id: str
+    state: str
+    attempts: int
+    worker: str | None
+
+
+def build_request(prompt: str | None, fields: dict[str, Any]) -> GenerationRequest:
+    """Validate keyword fields into a request; raise InvalidRequest naming the fields at fault."""
+    data = dict(fields)
+    if prompt is not None:
+        data["prompt"] = prompt
+    try:
+        return GenerationRequest.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc)) from None
+
+
+class JobHandle:
+    """One submitted job. Consume it with stream(), stream_text() or result()."""
+
+    def __init__(
+        self, producer: AsyncProducer, job_id: str, events: asyncio.Queue[bytes], duplicate: bool
+    ) -> None:
+        self.id = job_id
+        self.duplicate = duplicate
+        self._producer = producer
+        self._events = events
+        self._final: DoneEvent | ErrorEvent | None = None
+        self._text: list[str] = []
+        self._last_seq = -1
+        self._attempt = 1
+
+    @property
+    def finished(self) -> bool:
+        return self._final is not None
+
+    async def stream(self) -> AsyncIterator[Event]:
+        """Yield the job's events as they arrive, ending after ``done`` or ``error``."""
+        if self.duplicate and self._last_seq < 0:
+            # The job may have ended before this handle subscribed.
+            for event in await self._recover_from_result():
+                yield self._track(event)
+        while self._final is None:
+            try:
+                raw = await asyncio.wait_for(self._events.get(), RESULT_POLL_S)
+            except TimeoutError:
+                for event in await self._recover_from_result():
+                    yield self._track(event)
+                continue
+            yield self._track(parse_event(raw))
+        await self._producer._release(self.id)
+
+    async def stream_text(self) -> AsyncIterator[str]:
+        """Yield only the text. A retry that repeats the text already yielded is skipped;
+        one that diverges raises JobRestarted. A failed job raises JobFailed."""
+        yielded = ""
+        attempt_text = ""
+        async for event in self.stream():
+            if isinstance(event, RequeuedEvent):
+                attempt_text = ""
+            elif isinstance(event, ErrorEvent):
+                raise JobFailed(self.id, event.error)
+            elif isinstance(event, TokenEvent):
+                attempt_text += event.text
+                if len(attempt_text) <= len(yielded):
+                    if not yielded.startswith(attempt_text):
+                        raise JobRestarted(f"job {self.id} was retried and its text changed")
+                    continue
+                if not attempt_text.startswith(yielded):
+                    raise JobRestarted(f"job {self.id} was retried and its text changed")
+                new = attempt_text[len(yielded) :]
+                yielded = attempt_text
+                yield new
+
+    async def result(self, timeout: float | None = None) -> JobResult:
+        """Wait for the job to end and return its stored result; raise JobFailed if it failed."""
+        async with asyncio.timeout(timeout):
+            async for _ in self.stream():
+                pass
+            stored = await self._producer.get_result(self.id)
+            while stored is None:  # the end was seen on pub/sub; the write is in the same EXEC
+                await asyncio.sleep(0.05)
+                stored = await self._producer.get_result(self.id)
+        if stored.state == "failed" and stored.error is not None:
+            raise JobFailed(self.id, stored.error)
+        return stored
+
+    async def cancel(self) -> str:
+        return await self._producer.cancel(self.id)
+
+    def _track(self, event: Event) -> Event:
+        if isinstance(event, RequeuedEvent):
+            self._text.clear()
+            self._attempt = event.attempt
+        elif isinstance(event, TokenEvent):
+            self._text.append(event.text)
+        elif isinstance(event, DoneEvent | ErrorEvent):
+            self._final = event
+        self._last_seq = event.seq
+        return event
+
+    async def _recover_from_result(self) -> list[Event]:
+        """Rebuild the end of the stream from the stored result, if the job has ended."""
+        stored = await self._producer.get_result(self.id)
+        if stored is None:
+            return []
+        received = "".join(self._text)
+        seq = self._last_seq + 1
+        events: list[Event] = []
+        if stored.text != received:
+            if not stored.text.startswith(received):
+                events.append(
+                    RequeuedEvent(id=self.id, seq=seq, attempt=stored.attempts, reason="recovered")
+                )
+                seq, received = 0, ""
+            events.append(
+                TokenEvent(
+                    id=self.id, seq=seq, attempt=max(stored.attempts, 1),
+                    text=stored.text[len(received) :], token_ids=[],
+                )
+            )
+            seq += 1
+        attempt = max(stored.attempts, 1)
+        if stored.error is not None:
+            events.append(ErrorEvent(id=self.id, seq=seq, attempt=attempt, error=stored.error))
+        elif stored.finish_reason is not None and stored.usage and stored.timings:
+            events.append(
+                DoneEvent(
+                    id=self.id, seq=seq, attempt=attempt, finish_reason=stored.finish_reason,
+                    usage=stored.usage, timings=stored.timings,
+                )
+            )
+        return events
+
+
+class AsyncProducer:
+    """Submits jobs to one queue. Use as ``async with AsyncProducer(url, queue=...) as p``."""
+
+    def __init__(
+        self,
+        redis_url: str = "redis://localhost:6379/0",
+        *,
+        queue: str,
+        prefix: str = DEFAULT_PREFIX,
+        max_backlog: int = 0,
+        state_ttl_s: int = DEFAULT_STATE_TTL_S,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        self.keys = QueueKeys(queue=queue, prefix=prefix)
+        self.max_backlog = max_backlog
+        self.state_ttl_s = state_ttl_s
+        self._redis = client if client is not None else aioredis.Redis.from_url(redis_url)
+        self._owns_client = client is None
+        self._router = EventRouter(self._redis)
+        self._submit_script = self._redis.register_script(_SUBMIT_LUA)
+        self._cancel_script = self._redis.register_script(_CANCEL_LUA)
+
+    async def __aenter__(self) -> AsyncProducer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._router.close()
+        if self._owns_client:
+            await self._redis.aclose()
+
+    async def submit(
+        self, prompt: str | None = None, *, request: GenerationRequest | None = None, **fields: Any
+    ) -> JobHandle:
+        """Enqueue a job and return its handle. Subscribes before enqueuing, so no event is
+        missed. Submitting an id that exists returns a handle to that same job."""
+        if request is None:
+            request = build_request(prompt, fields)
+        elif prompt is not None or fields:
+            raise TypeError("pass either request= or prompt and fields, not both")
+        channel = self.keys.events(request.id)
+        events = await self._router.subscribe(channel)
+        try:
+            outcome, detail = await self._submit_script(
+                keys=[self.keys.job(request.id), self.keys.jobs],
+                args=[request.model_dump_json(exclude_none=True), self.state_ttl_s,
+                      self.max_backlog],
+            )
+        except BaseException:
+            await self._router.unsubscribe(channel)
+            raise
+        if outcome == b"full":
+            await self._router.unsubscribe(channel)
+            raise QueueFull(
+                f"queue {self.keys.queue!r} holds {detail.decode()} jobs, at its limit of "
+                f"{self.max_backlog}: retry later or add workers"
+            )
+        return JobHandle(self, request.id, events, duplicate=outcome == b"duplicate")
+
+    async def get_result(self, job_id: str) -> JobResult | None:
+        raw = await self._redis.get(self.keys.result(job_id))
+        return None if raw is None else JobResult.model_validate_json(raw)
+
+    async def status(self, job_id: str) -> JobStatus | None:
+        fields = await self._redis.hgetall(self.keys.job(job_id))
+        if not fields:
+            return None
+        text = {k.decode(): v.decode() for k, v in fields.items()}
+        return JobStatus(
+            id=job_id,
+            state=text.get("state", "unknown"),
+            attempts=int(text.get("attempts", "0")),
+            worker=text.get("worker"),
+        )
+
+    async def cancel(self, job_id: str) -> str:
+        """Ask for the job to stop. Returns the state it had ('' if unknown)."""
+        state = await self._cancel_script(
+            keys=[self.keys.job(job_id)], args=[self.keys.cancel, job_id]
+        )
+        return state.decode() if isinstance(state, bytes) else str(state)
+
+    async def _release(self, job_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._router.unsubscribe(self.keys.events(job_id))

@@ -1,0 +1,76 @@
+"""Every Redis key and channel name of the wire contract, in one place."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "exlq"
+CONSUMER_GROUP = "workers"
+# Queue names and job ids end up inside key names and hash tags: keep them to a
+# safe alphabet so that no name can break out of its `{...}` tag.
+NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+def check_name(kind: str, value: str) -> str:
+    """Return ``value`` if it is a valid queue name, prefix or job id, else raise ValueError."""
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not valid: use 1 to 128 characters from "
+            "letters, digits, '.', '_', ':' and '-'"
+        )
+    return value
+
+
+def events_channel(prefix: str, job_id: str) -> str:
+    """The pub/sub channel that carries every event of one job."""
+    return f"{prefix}:out:{{{job_id}}}"
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """Key names of one queue. All share the hash tag ``{queue}`` (valid on Redis Cluster)."""
+
+    queue: str
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        check_name("queue name", self.queue)
+        check_name("key prefix", self.prefix)
+
+    @property
+    def _base(self) -> str:
+        return f"{self.prefix}:{{{self.queue}}}"
+
+    @property
+    def jobs(self) -> str:
+        """Stream of job entries; field ``job`` holds the request JSON."""
+        return f"{self._base}:jobs"
+
+    @property
+    def dead(self) -> str:
+        """Stream of jobs that failed for good."""
+        return f"{self._base}:dead"
+
+    @property
+    def workers(self) -> str:
+        """Hash of worker heartbeats: consumer name -> JSON."""
+        return f"{self._base}:workers"
+
+    @property
+    def cancel(self) -> str:
+        """Pub/sub channel of cancellation requests (payload: a job id)."""
+        return f"{self._base}:cancel"
+
+    def job(self, job_id: str) -> str:
+        """Hash of one job's state, for dedupe, status and cancellation."""
+        return f"{self._base}:job:{job_id}"
+
+    def result(self, job_id: str) -> str:
+        """String holding one job's final result JSON."""
+        return f"{self._base}:result:{job_id}"
+
+    def events(self, job_id: str) -> str:
+        """The job's own pub/sub channel."""
+        return events_channel(self.prefix, job_id)

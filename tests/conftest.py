@@ -1,0 +1,127 @@
+"""Shared fixtures: a real redis-server per test session (no disk), and worker factories."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from producer.keys import QueueKeys
+from worker.broker import Broker
+from worker.embedded_redis import RedisServer
+from worker.engines.base import Engine
+from worker.engines.echo import EchoEngine
+from worker.metrics import Metrics
+from worker.runner import Worker
+from worker.settings import WorkerSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+_queue_numbers = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    yield redis_server.url
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+
+
+@pytest.fixture
+def queue_name() -> str:
+    return f"q{next(_queue_numbers)}"
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@dataclass
+class RunningWorker:
+    worker: Worker
+    stop: asyncio.Event
+    task: asyncio.Task[int]
+    metrics: Metrics
+
+    async def shutdown(self) -> int:
+        self.stop.set()
+        return await asyncio.wait_for(self.task, 30)
+
+
+WorkerFactory = Callable[..., "asyncio.Future[RunningWorker]"]
+
+
+@pytest.fixture
+async def start_worker(
+    redis_url: str, queue_name: str
+) -> AsyncIterator[Callable[..., Any]]:
+    """Start in-process workers on the echo engine (or a given engine); stopped at teardown."""
+    started: list[tuple[RunningWorker, Broker]] = []
+    names = itertools.count()
+
+    async def start(engine: Engine | None = None, **overrides: Any) -> RunningWorker:
+        options: dict[str, Any] = {
+            "engine": "echo", "redis_url": redis_url, "queue": queue_name,
+            "consumer_name": f"test-worker-{next(names)}", "metrics_port": 0,
+            "echo_tokens_per_second": 500.0, "max_batch_size": 8, "grace_seconds": 10.0,
+            "read_block_ms": 100,
+        }
+        options.update(overrides)
+        settings = WorkerSettings(**options)
+        if engine is None:
+            engine = EchoEngine(settings.max_batch_size, settings.echo_tokens_per_second)
+        broker = Broker.from_url(
+            redis_url, QueueKeys(settings.queue_name), settings.consumer_name,
+            result_ttl_s=settings.result_ttl_seconds, dead_max_len=settings.dead_stream_max_len,
+        )
+        metrics = Metrics(settings.queue_name)
+        worker = Worker(settings, engine, broker, metrics)
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        running = RunningWorker(worker, stop, task, metrics)
+        started.append((running, broker))
+        await wait_until(lambda: worker.ready or task.done())
+        return running
+
+    yield start
+    for running, broker in started:
+        if not running.task.done():
+            with contextlib.suppress(Exception):
+                await running.shutdown()
+        await broker.close()
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def worker_process(redis_url: str, queue: str, *extra: str, **env: str) -> subprocess.Popen[str]:
+    """`exlq worker` as a real process, for signal and CLI tests."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "worker", "--redis-url", redis_url,
+         "--queue", queue, "--metrics-port", "0", *extra],
+        cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )

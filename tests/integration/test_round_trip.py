@@ -1,0 +1,93 @@
+"""Jobs through the SDK, a real Redis and an echo worker, async and sync."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from producer import AsyncProducer, DoneEvent, Producer, TokenEvent
+from producer.protocol import GenerationRequest
+from worker.engines.echo import echo_text
+
+pytestmark = pytest.mark.integration
+
+
+async def test_async_round_trip_streams_then_stores_the_same_text(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    await start_worker()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("the quick brown fox", max_new_tokens=12)
+        events = [event async for event in handle.stream()]
+        result = await handle.result(timeout=10)
+
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    assert [e.seq for e in events] == list(range(len(events)))
+    streamed = "".join(t.text for t in tokens)
+    assert streamed == result.text == echo_text(
+        GenerationRequest(prompt="the quick brown fox", max_new_tokens=12)
+    )
+    assert done.finish_reason == "length" == result.finish_reason
+    assert done.usage.completion_tokens == 12
+    assert done.timings.first_token_s is not None
+    assert 0 <= done.timings.queued_s <= done.timings.first_token_s <= done.timings.total_s
+
+
+async def test_stream_text_yields_only_text(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    await start_worker()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("one two", max_new_tokens=5)
+        pieces = [piece async for piece in handle.stream_text()]
+    assert "".join(pieces) == " one two one two one"
+
+
+async def test_sync_producer_round_trip(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    await start_worker()
+
+    def produce() -> tuple[list[str], str, str]:
+        with Producer(redis_url, queue=queue_name) as producer:
+            streamed = producer.submit("alpha beta", max_new_tokens=4)
+            texts = list(streamed.stream_text())
+            waited = producer.submit("gamma", max_new_tokens=3)
+            result = waited.result(timeout=10)
+            assert producer.status(waited.id) is not None
+            return texts, result.text, producer.status(waited.id).state  # type: ignore[union-attr]
+
+    # The blocking SDK runs on a thread while this loop serves the worker.
+    texts, text, state = await asyncio.to_thread(produce)
+    assert "".join(texts) == " alpha beta alpha beta"
+    assert text == " gamma gamma gamma"
+    assert state == "done"
+
+
+async def test_same_id_twice_is_one_job(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: Any
+) -> None:
+    await start_worker()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        first = await producer.submit("x y", max_new_tokens=3, id="order-42")
+        first_result = await first.result(timeout=10)
+        second = await producer.submit("something else", max_new_tokens=9, id="order-42")
+        second_result = await second.result(timeout=10)
+    assert not first.duplicate and second.duplicate
+    assert second_result == first_result
+    assert await redis_client.xlen(f"exlq:{{{queue_name}}}:jobs") == 1
+
+
+async def test_stop_string_ends_the_job_without_the_stop_text(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    await start_worker()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("a b c", max_new_tokens=20, stop=["c a"])
+        result = await handle.result(timeout=10)
+    assert result.text == " a b "
+    assert result.finish_reason == "stop"

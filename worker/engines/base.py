@@ -1,0 +1,86 @@
+"""The engine interface: what the worker needs from anything that generates tokens."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from producer.protocol import FinishReason, GenerationRequest, TokenChoices
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Text a job produced in one step (one token, or a few when stop strings hold text back)."""
+
+    job_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenChoices] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnded:
+    job_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobErrored:
+    job_id: str
+    code: str
+    message: str
+
+
+EngineOutput = TokenChunk | JobEnded | JobErrored
+
+
+@dataclass(frozen=True, slots=True)
+class CacheUsage:
+    pages_used: int
+    pages_total: int
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot start here (no GPU, missing package, bad model); the message says why."""
+
+
+class EngineDead(RuntimeError):
+    """The engine can serve nothing more; the process should exit so it is restarted."""
+
+
+class Engine(ABC):
+    """Generates tokens for many jobs at once. Every method runs on the engine thread."""
+
+    name: str
+    capacity: int
+    attention: str = "none"
+
+    @abstractmethod
+    def add(self, job_id: str, request: GenerationRequest) -> None:
+        """Start a job. Raises InvalidRequest if it can never run as written."""
+
+    @abstractmethod
+    def cancel(self, job_id: str) -> JobEnded | None:
+        """Stop a job at once and free its slot; returns its end, or None if it is unknown."""
+
+    @abstractmethod
+    def step(self) -> list[EngineOutput]:
+        """Run one iteration for every active job and return what it produced."""
+
+    @abstractmethod
+    def abort_all(self) -> list[str]:
+        """Drop every job after a failed step; returns their ids. Raises EngineDead if the
+        engine cannot be brought back to a clean state."""
+
+    @property
+    @abstractmethod
+    def active_jobs(self) -> int: ...
+
+    @abstractmethod
+    def cache_usage(self) -> CacheUsage: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's resources."""

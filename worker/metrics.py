@@ -1,0 +1,136 @@
+"""Metrics: the worker's Prometheus collectors; the only module that imports prometheus_client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2)
+_WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_DURATION_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class Metrics:
+    """Typed methods over the collectors, so the rest of the worker never names one."""
+
+    def __init__(self, queue: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, q = self.registry, ["queue"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*q, *extra], registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, q, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, q, buckets=buckets, registry=r)
+
+        self._received = counter("exlq_jobs_received", "Jobs taken from the stream.")
+        self._completed = counter(
+            "exlq_jobs_completed", "Jobs that ended normally.", ("finish_reason",)
+        )
+        self._failed = counter("exlq_jobs_failed", "Jobs that ended in an error.", ("error_type",))
+        self._requeued = counter("exlq_jobs_requeued", "Jobs taken over from a dead worker.")
+        self._dead = counter("exlq_jobs_dead_lettered", "Entries moved to the dead stream.")
+        self._running = gauge("exlq_jobs_running", "Jobs this worker holds.")
+        self._capacity = gauge("exlq_batch_capacity", "Jobs this worker can run at once.")
+        self._queue_wait = histogram(
+            "exlq_queue_wait_seconds", "Enqueue to start.", _WAIT_BUCKETS_S
+        )
+        self._ttft = histogram(
+            "exlq_time_to_first_token_seconds", "Enqueue to first token.", _LATENCY_BUCKETS_S
+        )
+        self._itl = histogram(
+            "exlq_inter_token_latency_seconds", "Time between tokens of a job.", _ITL_BUCKETS_S
+        )
+        self._duration = histogram(
+            "exlq_job_duration_seconds", "Enqueue to end.", _DURATION_BUCKETS_S
+        )
+        self._step = histogram(
+            "exlq_engine_step_seconds", "Wall time of one engine iteration.", _STEP_BUCKETS_S
+        )
+        self._prompt_tokens = counter("exlq_prompt_tokens", "Prompt tokens of ended jobs.")
+        self._generated_tokens = counter("exlq_generated_tokens", "Tokens generated.")
+        self._cached_tokens = counter(
+            "exlq_cached_prompt_tokens", "Prompt tokens served from the prefix cache."
+        )
+        self._pages_used = gauge("exlq_cache_pages_used", "KV cache pages in use.")
+        self._pages_total = gauge("exlq_cache_pages_total", "KV cache pages in all.")
+        self._redis_connected = gauge("exlq_redis_connected", "1 while Redis answers.")
+        self._ready = gauge("exlq_worker_ready", "1 while the worker takes jobs.")
+        self._info = Gauge(
+            "exlq_worker_info", "Worker build and configuration.",
+            [*q, "version", "engine", "model", "attention"], registry=r,
+        )
+        self._queue = queue
+        for child in (self._running, self._capacity, self._redis_connected, self._ready):
+            child.labels(queue).set(0)
+        for child_counter in (self._received, self._requeued, self._dead):
+            child_counter.labels(queue)
+
+    def info(self, version: str, engine: str, model: str, attention: str) -> None:
+        self._info.labels(self._queue, version, engine, model, attention).set(1)
+
+    def job_received(self) -> None:
+        self._received.labels(self._queue).inc()
+
+    def job_completed(self, finish_reason: str) -> None:
+        self._completed.labels(self._queue, finish_reason).inc()
+
+    def job_failed(self, error_type: str) -> None:
+        self._failed.labels(self._queue, error_type).inc()
+
+    def job_requeued(self) -> None:
+        self._requeued.labels(self._queue).inc()
+
+    def dead_lettered(self) -> None:
+        self._dead.labels(self._queue).inc()
+
+    def set_running(self, jobs: int) -> None:
+        self._running.labels(self._queue).set(jobs)
+
+    def set_capacity(self, jobs: int) -> None:
+        self._capacity.labels(self._queue).set(jobs)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self._queue_wait.labels(self._queue).observe(seconds)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.labels(self._queue).observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._itl.labels(self._queue).observe(seconds)
+
+    def observe_duration(self, seconds: float) -> None:
+        self._duration.labels(self._queue).observe(seconds)
+
+    def observe_step(self, seconds: float) -> None:
+        self._step.labels(self._queue).observe(seconds)
+
+    def add_generated_tokens(self, tokens: int) -> None:
+        self._generated_tokens.labels(self._queue).inc(tokens)
+
+    def add_prompt_tokens(self, prompt: int, cached: int) -> None:
+        self._prompt_tokens.labels(self._queue).inc(prompt)
+        self._cached_tokens.labels(self._queue).inc(cached)
+
+    def set_cache_pages(self, used: int, total: int) -> None:
+        self._pages_used.labels(self._queue).set(used)
+        self._pages_total.labels(self._queue).set(total)
+
+    def set_redis_connected(self, connected: bool) -> None:
+        self._redis_connected.labels(self._queue).set(1 if connected else 0)
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready.labels(self._queue).set(1 if ready else 0)
+
+    def wsgi_app(self) -> WsgiApp:
+        app: WsgiApp = make_wsgi_app(self.registry)
+        return app

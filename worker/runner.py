@@ -1,0 +1,387 @@
+"""Worker: takes entries from the stream, feeds the engine, publishes what it makes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+from producer.keys import check_name
+from producer.protocol import ErrorEvent, ErrorInfo, InvalidRequest, JobResult, parse_request
+from worker.broker import Batch, Broker, StartDecision, StreamEntry
+from worker.engine_loop import EngineLoop, StepReport
+from worker.engines.base import Engine, EngineOutput, JobEnded, JobErrored, TokenChunk
+from worker.metrics import Metrics
+from worker.running_job import RunningJob
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 3
+_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+_HOUSEKEEPING_S = 0.5
+
+
+def backoff(failures: int) -> float:
+    return _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
+
+
+class Worker:
+    """Holds at most ``engine.capacity`` jobs: it reads only as many entries as it has free
+    slots, so the backlog stays in Redis where other workers see it."""
+
+    def __init__(
+        self, settings: WorkerSettings, engine: Engine, broker: Broker, metrics: Metrics
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.broker = broker
+        self.metrics = metrics
+        self.capacity = engine.capacity
+        self.held: dict[str, RunningJob] = {}
+        self.peak_held = 0
+        self.exit_code = EXIT_OK
+        self._reports: asyncio.Queue[StepReport] = asyncio.Queue()
+        self._slot_freed = asyncio.Event()
+        self._stop_reading = asyncio.Event()
+        self._engine_dead = asyncio.Event()
+        self._redis_ok = False
+        self._clock_offset_s = 0.0
+        self._engine_loop: EngineLoop | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._redis_ok and not self._stop_reading.is_set() and not self._engine_dead.is_set()
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set, then drain within the grace period. Returns the exit
+        code: 0 after a clean stop, EXIT_ENGINE_DEAD if the engine died."""
+        self._clock_offset_s = await self.broker.clock_offset_s()
+        await self.broker.ensure_group()
+        self._set_redis_ok(True)
+        loop = asyncio.get_running_loop()
+        self._engine_loop = EngineLoop(
+            self.engine, lambda report: loop.call_soon_threadsafe(self._reports.put_nowait, report)
+        )
+        self._engine_loop.start()
+        self.metrics.set_capacity(self.capacity)
+        reader = asyncio.create_task(self._read_loop(), name="exlq-reader")
+        helpers = [
+            asyncio.create_task(self._publish_loop(), name="exlq-publisher"),
+            asyncio.create_task(self._cancel_loop(), name="exlq-cancels"),
+            asyncio.create_task(self._housekeeping_loop(), name="exlq-housekeeping"),
+        ]
+        self._publish_ready()
+        log.info("worker %s serving queue %r with capacity %d (engine %s)",
+                 self.broker.consumer, self.settings.queue_name, self.capacity, self.engine.name)
+        await _first_of(stop.wait(), self._engine_dead.wait())
+        await self._shutdown(reader, helpers)
+        return self.exit_code
+
+    async def _shutdown(self, reader: asyncio.Task[None], helpers: list[asyncio.Task[None]]) -> None:
+        self._stop_reading.set()
+        self._publish_ready()
+        # Let an XREADGROUP in flight return: entries it brings are taken, not lost.
+        await reader
+        if not self._engine_dead.is_set() and self.held:
+            log.info("stopping: waiting up to %.0fs for %d running jobs",
+                     self.settings.grace_seconds, len(self.held))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained(), self.settings.grace_seconds)
+        if self.held:
+            log.warning("leaving %d unfinished jobs pending for another worker", len(self.held))
+        assert self._engine_loop is not None
+        await asyncio.to_thread(self._engine_loop.stop, 10.0)
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        with contextlib.suppress(RedisError):
+            await self.broker.leave()
+
+    async def _drained(self) -> None:
+        while self.held:
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+
+    # -- taking jobs ---------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        failures = 0
+        while not self._stop_reading.is_set():
+            free = self.capacity - len(self.held)
+            if free <= 0:
+                self._slot_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), 1.0)
+                continue
+            try:
+                entries = await self.broker.read(free, self.settings.read_block_ms)
+                if entries:
+                    await self._accept(entries)
+                failures = 0
+                self._set_redis_ok(True)
+            except RedisError as exc:
+                self._set_redis_ok(False)
+                delay = backoff(failures)
+                failures += 1
+                log.warning("reading from Redis failed (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+
+    async def _accept(self, entries: list[StreamEntry]) -> None:
+        batch = Batch()
+        runnable: list[tuple[StreamEntry, str]] = []
+        decoded = []
+        for entry in entries:
+            self.metrics.job_received()
+            try:
+                request = parse_request(entry.payload or b"")
+            except InvalidRequest as exc:
+                self._reject(batch, entry, str(exc))
+                continue
+            decoded.append((entry, request))
+            runnable.append((entry, request.id))
+        decisions = await self.broker.start_jobs([(job_id, e.entry_id) for e, job_id in runnable])
+        now = time.time()
+        for (entry, request), decision in zip(decoded, decisions, strict=True):
+            job = RunningJob(
+                job_id=request.id, entry_id=entry.entry_id, request=request,
+                attempt=max(decision.attempt, 1), channel=self.broker.keys.events(request.id),
+                enqueued_at=entry.enqueued_at_server - self._clock_offset_s, started_at=now,
+            )
+            self._start(batch, job, decision, now)
+        self._note_held()
+        if batch:
+            await self._commit(batch)
+
+    def _start(self, batch: Batch, job: RunningJob, decision: StartDecision, now: float) -> None:
+        if decision.verdict in ("ended", "duplicate"):
+            log.info("skipping entry %s of job %s: %s %s", job.entry_id, job.job_id,
+                     decision.verdict, decision.detail)
+            batch.ack(job.entry_id)
+            return
+        deadline = job.request.deadline
+        if decision.verdict == "cancel" or (deadline is not None and deadline <= now):
+            reason = "cancelled" if decision.verdict == "cancel" else "expired"
+            self._finish(batch, job, JobEnded(job.job_id, reason, 0, 0), now)
+            return
+        self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
+        self.held[job.job_id] = job
+        assert self._engine_loop is not None
+        self._engine_loop.add(job.job_id, job.request)
+
+    def _reject(self, batch: Batch, entry: StreamEntry, message: str) -> None:
+        """An entry that can never run: error event and failed result where it has a usable
+        id, a dead-letter entry always, then the ack."""
+        log.warning("rejecting entry %s: %s", entry.entry_id, message)
+        job_id = _job_id_of(entry.payload)
+        error = ErrorInfo(code="invalid_request", message=message)
+        if job_id is not None:
+            event = ErrorEvent(id=job_id, seq=0, attempt=1, error=error)
+            result = JobResult(id=job_id, state="failed", error=error, attempts=1)
+            batch.publish(self.broker.keys.events(job_id), event.model_dump_json())
+            batch.store_result(job_id, "failed", result.model_dump_json(), self.broker.consumer)
+        self._dead_letter(batch, entry.entry_id, entry.payload, error, attempts=1)
+        batch.ack(entry.entry_id)
+        self.metrics.job_failed("invalid_request")
+
+    def _dead_letter(
+        self, batch: Batch, entry_id: str, payload: bytes | None, error: ErrorInfo, attempts: int
+    ) -> None:
+        batch.dead_letter({
+            "entry": entry_id,
+            "job": (payload or b"").decode(errors="replace"),
+            "error": error.code,
+            "message": error.message,
+            "attempts": str(attempts),
+            "worker": self.broker.consumer,
+            "failed_at": f"{time.time():.3f}",
+        })
+        self.metrics.dead_lettered()
+
+    # -- publishing ----------------------------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        while True:
+            reports = [await self._reports.get()]
+            while not self._reports.empty():  # coalesce steps that queued up meanwhile
+                reports.append(self._reports.get_nowait())
+            batch = Batch()
+            ended: list[str] = []
+            for report in reports:
+                self._take_report(batch, report, ended)
+            if batch:
+                await self._commit(batch)
+            for job_id in ended:
+                self.held.pop(job_id, None)
+            if ended:
+                self._slot_freed.set()
+                self._note_held()
+
+    def _take_report(self, batch: Batch, report: StepReport, ended: list[str]) -> None:
+        if report.fatal is not None:
+            log.critical("engine died (%s); exiting so the jobs run elsewhere", report.fatal)
+            self.exit_code = EXIT_ENGINE_DEAD
+            self._engine_dead.set()
+            return
+        if report.step_seconds is not None:
+            self.metrics.observe_step(report.step_seconds)
+        self.metrics.set_cache_pages(report.cache.pages_used, report.cache.pages_total)
+        for output in report.outputs:
+            job = self.held.get(output.job_id)
+            if job is None:
+                log.error("engine output for unknown job %s dropped", output.job_id)
+                continue
+            self._take_output(batch, job, output, report.finished_at)
+            if not isinstance(output, TokenChunk):
+                ended.append(job.job_id)
+
+    def _take_output(self, batch: Batch, job: RunningJob, output: EngineOutput, now: float) -> None:
+        if isinstance(output, TokenChunk):
+            previous = job.last_token_at
+            batch.publish(job.channel, job.token_event(output, now))
+            self.metrics.add_generated_tokens(len(output.token_ids))
+            if previous is None:
+                self.metrics.observe_ttft(now - job.enqueued_at)
+            elif output.token_ids:
+                gap = (now - previous) / len(output.token_ids)
+                for _ in output.token_ids:
+                    self.metrics.observe_inter_token(gap)
+        elif isinstance(output, JobEnded):
+            self._finish(batch, job, output, now)
+        elif isinstance(output, JobErrored):
+            self._fail(batch, job, output, now)
+
+    def _finish(self, batch: Batch, job: RunningJob, ended: JobEnded, now: float) -> None:
+        state, event_json, result_json = job.finish(ended, now)
+        batch.store_result(job.job_id, state, result_json, self.broker.consumer)
+        batch.publish(job.channel, event_json)
+        batch.ack(job.entry_id)
+        self.metrics.job_completed(job.stop_reason or ended.finish_reason)
+        self.metrics.observe_duration(now - job.enqueued_at)
+        self.metrics.add_prompt_tokens(ended.prompt_tokens, ended.cached_tokens)
+
+    def _fail(self, batch: Batch, job: RunningJob, errored: JobErrored, now: float) -> None:
+        log.warning("job %s failed (%s): %s", job.job_id, errored.code, errored.message)
+        event_json, result_json = job.fail(errored.code, errored.message, now)
+        batch.store_result(job.job_id, "failed", result_json, self.broker.consumer)
+        batch.publish(job.channel, event_json)
+        error = ErrorInfo(code=errored.code, message=errored.message)
+        self._dead_letter(batch, job.entry_id, job.request.model_dump_json().encode(), error,
+                          job.attempt)
+        batch.ack(job.entry_id)
+        self.metrics.job_failed(errored.code)
+
+    async def _commit(self, batch: Batch) -> None:
+        """Write a batch, retrying through Redis outages: a lost batch would lose events."""
+        failures = 0
+        while True:
+            try:
+                await self.broker.commit(batch)
+                self._set_redis_ok(True)
+                return
+            except RedisError as exc:
+                self._set_redis_ok(False)
+                delay = backoff(failures)
+                failures += 1
+                log.warning("writing to Redis failed (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+
+    # -- cancellation, deadlines, heartbeat ---------------------------------------------
+
+    async def _cancel_loop(self) -> None:
+        await _forever(self._listen_for_cancels, "cancel listener", self._set_redis_ok)
+
+    async def _listen_for_cancels(self) -> None:
+        assert self._engine_loop is not None
+        async for job_id in self.broker.cancel_requests():
+            if job_id in self.held:
+                log.info("cancelling job %s", job_id)
+                self._engine_loop.cancel(job_id)
+
+    async def _housekeeping_loop(self) -> None:
+        next_heartbeat = 0.0
+        while True:
+            now = time.time()
+            self._expire_overdue(now)
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.settings.heartbeat_seconds
+                try:
+                    await self.broker.heartbeat(self._heartbeat_info(),
+                                                self.settings.heartbeat_seconds * 6)
+                    self._set_redis_ok(True)
+                except RedisError as exc:
+                    self._set_redis_ok(False)
+                    log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(_HOUSEKEEPING_S)
+
+    def _expire_overdue(self, now: float) -> None:
+        assert self._engine_loop is not None
+        for job in self.held.values():
+            deadline = job.request.deadline
+            if deadline is not None and deadline <= now and job.stop_reason is None:
+                job.stop_reason = "expired"
+                self._engine_loop.cancel(job.job_id)
+
+    def _heartbeat_info(self) -> dict[str, object]:
+        return {
+            "engine": self.engine.name,
+            "model": self.settings.model.name if self.settings.model else None,
+            "capacity": self.capacity,
+            "load": len(self.held),
+            "ready": self.ready,
+        }
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _note_held(self) -> None:
+        self.peak_held = max(self.peak_held, len(self.held))
+        self.metrics.set_running(len(self.held))
+
+    def _set_redis_ok(self, ok: bool) -> None:
+        if ok != self._redis_ok:
+            self._redis_ok = ok
+            self._publish_ready()
+
+    def _publish_ready(self) -> None:
+        self.metrics.set_redis_connected(self._redis_ok)
+        self.metrics.set_ready(self.ready)
+
+
+def _job_id_of(payload: bytes | None) -> str | None:
+    """The id of a malformed entry, if it names a usable one, so its subscriber hears why."""
+    try:
+        candidate = json.loads(payload or b"").get("id")
+        return check_name("job id", candidate) if isinstance(candidate, str) else None
+    except (ValueError, AttributeError):
+        return None
+
+
+async def _first_of(*waits: Awaitable[object]) -> None:
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _forever(
+    body: Callable[[], Awaitable[None]], what: str, on_health: Callable[[bool], None]
+) -> None:
+    """Run ``body`` again whenever it ends or fails, backing off while Redis is away."""
+    failures = 0
+    while True:
+        try:
+            await body()
+            failures = 0
+        except RedisError as exc:
+            on_health(False)
+            log.warning("%s lost Redis (%s); reconnecting", what, exc)
+            failures += 1
+        await asyncio.sleep(backoff(failures))

@@ -1,0 +1,95 @@
+"""RunningJob: what the worker knows of one job it holds, and the events and result it makes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from producer.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    ErrorInfo,
+    FinishReason,
+    GenerationRequest,
+    JobResult,
+    JobState,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from worker.engines.base import JobEnded, TokenChunk
+
+
+@dataclass
+class RunningJob:
+    job_id: str
+    entry_id: str
+    request: GenerationRequest
+    attempt: int
+    channel: str
+    enqueued_at: float  # this host's clock
+    started_at: float
+    seq: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # Set when the worker, not the engine, chose to stop the job (deadline passed).
+    stop_reason: FinishReason | None = None
+
+    def _next_seq(self) -> int:
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    def token_event(self, chunk: TokenChunk, now: float) -> str:
+        """Record a chunk and return its event as JSON."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.text_parts.append(chunk.text)
+        self.completion_tokens += len(chunk.token_ids)
+        event = TokenEvent.model_construct(
+            id=self.job_id, seq=self._next_seq(), attempt=self.attempt, text=chunk.text,
+            token_ids=chunk.token_ids, logprobs=chunk.logprobs,
+        )
+        return event.model_dump_json(exclude_none=True)
+
+    def timings(self, now: float) -> Timings:
+        first = None if self.first_token_at is None else self.first_token_at - self.enqueued_at
+        return Timings(
+            queued_s=max(self.started_at - self.enqueued_at, 0.0),
+            first_token_s=first,
+            total_s=max(now - self.enqueued_at, 0.0),
+        )
+
+    def finish(self, ended: JobEnded, now: float) -> tuple[JobState, str, str]:
+        """The final state, the done event and the result, as JSON."""
+        reason: FinishReason = self.stop_reason or ended.finish_reason
+        usage = Usage(
+            prompt_tokens=ended.prompt_tokens,
+            completion_tokens=ended.completion_tokens,
+            cached_tokens=ended.cached_tokens,
+        )
+        timings = self.timings(now)
+        event = DoneEvent(
+            id=self.job_id, seq=self._next_seq(), attempt=self.attempt, finish_reason=reason,
+            usage=usage, timings=timings,
+        )
+        state: JobState = (
+            "cancelled" if reason == "cancelled" else "expired" if reason == "expired" else "done"
+        )
+        result = JobResult(
+            id=self.job_id, state=state, text="".join(self.text_parts), finish_reason=reason,
+            usage=usage, timings=timings, attempts=self.attempt,
+        )
+        return state, event.model_dump_json(), result.model_dump_json()
+
+    def fail(self, code: str, message: str, now: float) -> tuple[str, str]:
+        """The error event and the failed result, as JSON."""
+        error = ErrorInfo(code=code, message=message)
+        event = ErrorEvent(id=self.job_id, seq=self._next_seq(), attempt=self.attempt, error=error)
+        result = JobResult(
+            id=self.job_id, state="failed", text="".join(self.text_parts),
+            timings=self.timings(now), error=error, attempts=self.attempt,
+        )
+        return event.model_dump_json(), result.model_dump_json()

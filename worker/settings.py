@@ -1,0 +1,68 @@
+"""WorkerSettings: every knob of the worker, from flags and EXLQ_* environment variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from producer.keys import DEFAULT_PREFIX, check_name
+
+EngineName = Literal["exllamav2", "echo"]
+AttentionChoice = Literal["auto", "flash-attn", "exlq"]
+
+
+def default_consumer_name() -> str:
+    """Says where the worker runs, so an operator can tell who holds a pending entry."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class WorkerSettings(BaseSettings):
+    """Flags override environment variables (EXLQ_<FIELD>), which override the defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="EXLQ_", extra="forbid", frozen=True)
+
+    redis_url: str = "redis://localhost:6379/0"
+    engine: EngineName = "exllamav2"
+    model: Path | None = Field(None, description="model directory (exllamav2 engine)")
+    queue: str | None = Field(None, description="queue name; defaults to the model's name")
+    prefix: str = DEFAULT_PREFIX
+    consumer_name: str = Field(default_factory=default_consumer_name)
+
+    max_batch_size: int = Field(32, ge=1, le=1024, description="jobs run at once")
+    cache_tokens: int = Field(65_536, ge=256, description="KV cache size in tokens")
+    max_chunk_size: int = Field(2048, ge=64, description="prefill tokens per iteration")
+    attention: AttentionChoice = "auto"
+
+    echo_tokens_per_second: float = Field(50.0, gt=0, description="echo engine speed per job")
+
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(9400, ge=0, le=65535, description="0 picks a free port")
+    grace_seconds: float = Field(30.0, ge=0)
+    result_ttl_seconds: int = Field(24 * 3600, ge=1)
+    dead_stream_max_len: int = Field(10_000, ge=1)
+    read_block_ms: int = Field(1000, ge=10)
+    heartbeat_seconds: float = Field(5.0, gt=0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        if self.engine == "exllamav2" and self.model is None:
+            raise ValueError("the exllamav2 engine needs --model DIR (or EXLQ_MODEL)")
+        if self.model is not None and not self.model.is_dir():
+            raise ValueError(f"model directory {str(self.model)!r} does not exist")
+        check_name("queue name", self.queue_name)
+        check_name("key prefix", self.prefix)
+        return self
+
+    @property
+    def queue_name(self) -> str:
+        if self.queue:
+            return self.queue
+        if self.model is not None:
+            return self.model.resolve().name
+        return "default"
