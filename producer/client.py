@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -179,8 +179,11 @@ class JobHandle:
                 seq, received = 0, ""
             events.append(
                 TokenEvent(
-                    id=self.id, seq=seq, attempt=max(stored.attempts, 1),
-                    text=stored.text[len(received) :], token_ids=[],
+                    id=self.id,
+                    seq=seq,
+                    attempt=max(stored.attempts, 1),
+                    text=stored.text[len(received) :],
+                    token_ids=[],
                 )
             )
             seq += 1
@@ -190,8 +193,12 @@ class JobHandle:
         elif stored.finish_reason is not None and stored.usage and stored.timings:
             events.append(
                 DoneEvent(
-                    id=self.id, seq=seq, attempt=attempt, finish_reason=stored.finish_reason,
-                    usage=stored.usage, timings=stored.timings,
+                    id=self.id,
+                    seq=seq,
+                    attempt=attempt,
+                    finish_reason=stored.finish_reason,
+                    usage=stored.usage,
+                    timings=stored.timings,
                 )
             )
         return events
@@ -244,8 +251,11 @@ class AsyncProducer:
         try:
             outcome, detail = await self._submit_script(
                 keys=[self.keys.job(request.id), self.keys.jobs],
-                args=[request.model_dump_json(exclude_none=True), self.state_ttl_s,
-                      self.max_backlog],
+                args=[
+                    request.model_dump_json(exclude_none=True),
+                    self.state_ttl_s,
+                    self.max_backlog,
+                ],
             )
         except BaseException:
             await self._router.unsubscribe(channel)
@@ -263,7 +273,7 @@ class AsyncProducer:
         return None if raw is None else JobResult.model_validate_json(raw)
 
     async def status(self, job_id: str) -> JobStatus | None:
-        fields = await self._redis.hgetall(self.keys.job(job_id))
+        fields = cast("dict[bytes, bytes]", await self._redis.hgetall(self.keys.job(job_id)))
         if not fields:
             return None
         text = {k.decode(): v.decode() for k, v in fields.items()}

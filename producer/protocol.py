@@ -17,7 +17,7 @@ from pydantic import (
 
 from producer.keys import NAME_PATTERN
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Literal[1] = 1
 # Hard bounds of the contract. Workers may configure tighter limits.
 MAX_NEW_TOKENS_LIMIT = 65_536
 MAX_STOP_STRINGS = 16
@@ -88,9 +88,7 @@ class GenerationRequest(WireModel):
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
         given = [
-            name
-            for name in ("prompt", "messages", "input_ids")
-            if getattr(self, name) is not None
+            name for name in ("prompt", "messages", "input_ids") if getattr(self, name) is not None
         ]
         if len(given) != 1:
             raise ValueError(
@@ -166,9 +164,7 @@ class RequeuedEvent(_Event):
     reason: str
 
 
-Event = Annotated[
-    TokenEvent | DoneEvent | ErrorEvent | RequeuedEvent, Field(discriminator="type")
-]
+Event = Annotated[TokenEvent | DoneEvent | ErrorEvent | RequeuedEvent, Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 

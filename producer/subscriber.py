@@ -38,7 +38,7 @@ class EventRouter:
     async def subscribe(self, channel: str) -> asyncio.Queue[bytes]:
         async with self._lock:
             if self._reader is None:
-                await self._pubsub.connect()
+                await self._pubsub.connect()  # type: ignore[no-untyped-call]
                 self._reader = asyncio.create_task(self._read_loop(), name="exlq-event-router")
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         confirmed = asyncio.get_running_loop().create_future()
@@ -65,7 +65,7 @@ class EventRouter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
-        await self._pubsub.aclose()
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
         self._queues.clear()
 
     async def _read_loop(self) -> None:

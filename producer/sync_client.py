@@ -18,8 +18,9 @@ class _LoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="exlq-producer",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="exlq-producer", daemon=True
+        )
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:

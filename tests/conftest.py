@@ -72,18 +72,21 @@ WorkerFactory = Callable[..., "asyncio.Future[RunningWorker]"]
 
 
 @pytest.fixture
-async def start_worker(
-    redis_url: str, queue_name: str
-) -> AsyncIterator[Callable[..., Any]]:
+async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callable[..., Any]]:
     """Start in-process workers on the echo engine (or a given engine); stopped at teardown."""
     started: list[tuple[RunningWorker, Broker]] = []
     names = itertools.count()
 
     async def start(engine: Engine | None = None, **overrides: Any) -> RunningWorker:
         options: dict[str, Any] = {
-            "engine": "echo", "redis_url": redis_url, "queue": queue_name,
-            "consumer_name": f"test-worker-{next(names)}", "metrics_port": 0,
-            "echo_tokens_per_second": 500.0, "max_batch_size": 8, "grace_seconds": 10.0,
+            "engine": "echo",
+            "redis_url": redis_url,
+            "queue": queue_name,
+            "consumer_name": f"test-worker-{next(names)}",
+            "metrics_port": 0,
+            "echo_tokens_per_second": 500.0,
+            "max_batch_size": 8,
+            "grace_seconds": 10.0,
             "read_block_ms": 100,
         }
         options.update(overrides)
@@ -91,8 +94,11 @@ async def start_worker(
         if engine is None:
             engine = EchoEngine(settings.max_batch_size, settings.echo_tokens_per_second)
         broker = Broker.from_url(
-            redis_url, QueueKeys(settings.queue_name), settings.consumer_name,
-            result_ttl_s=settings.result_ttl_seconds, dead_max_len=settings.dead_stream_max_len,
+            redis_url,
+            QueueKeys(settings.queue_name),
+            settings.consumer_name,
+            result_ttl_s=settings.result_ttl_seconds,
+            dead_max_len=settings.dead_stream_max_len,
         )
         metrics = Metrics(settings.queue_name)
         worker = Worker(settings, engine, broker, metrics)
@@ -120,8 +126,22 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
 def worker_process(redis_url: str, queue: str, *extra: str, **env: str) -> subprocess.Popen[str]:
     """`exlq worker` as a real process, for signal and CLI tests."""
     return subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "worker", "--redis-url", redis_url,
-         "--queue", queue, "--metrics-port", "0", *extra],
-        cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "producer.cli",
+            "worker",
+            "--redis-url",
+            redis_url,
+            "--queue",
+            queue,
+            "--metrics-port",
+            "0",
+            *extra,
+        ],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )

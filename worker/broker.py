@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -122,8 +122,12 @@ class Broker:
                 raise
 
     async def read(self, count: int, block_ms: int) -> list[StreamEntry]:
-        reply = await self.client.xreadgroup(
-            CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=count, block=block_ms
+        # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
+        reply = cast(
+            "list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",
+            await self.client.xreadgroup(
+                CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=count, block=block_ms
+            ),
         )
         entries: list[StreamEntry] = []
         for _stream, messages in reply or []:
@@ -167,7 +171,7 @@ class Broker:
                 if isinstance(data, bytes):
                     yield data.decode(errors="replace")
         finally:
-            await pubsub.aclose()
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def heartbeat(self, info: dict[str, Any], stale_after_s: float) -> None:
         now = time.time()
@@ -187,7 +191,11 @@ class Broker:
     async def pending_count(self) -> int:
         """Entries this consumer holds, as Redis sees them."""
         reply = await self.client.xpending_range(
-            self.keys.jobs, CONSUMER_GROUP, min="-", max="+", count=100_000,
+            self.keys.jobs,
+            CONSUMER_GROUP,
+            min="-",
+            max="+",
+            count=100_000,
             consumername=self.consumer,
         )
         return len(reply)

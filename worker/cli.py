@@ -11,19 +11,23 @@ from pydantic import ValidationError
 from worker.settings import AttentionChoice, EngineName, WorkerSettings
 
 Model = Annotated[Path | None, typer.Option("--model", "-m", help="model directory")]
-QueueOpt = Annotated[str | None, typer.Option("--queue", "-q",
-                                              help="queue name (default: the model's name)")]
+QueueOpt = Annotated[
+    str | None, typer.Option("--queue", "-q", help="queue name (default: the model's name)")
+]
 EngineOpt = Annotated[str | None, typer.Option("--engine", help="exllamav2 or echo (no GPU)")]
 Batch = Annotated[int | None, typer.Option("--max-batch-size", help="jobs run at once")]
 CacheTokens = Annotated[int | None, typer.Option("--cache-tokens", help="KV cache size in tokens")]
 Attention = Annotated[str | None, typer.Option("--attention", help="auto, flash-attn or exlq")]
-MetricsPort = Annotated[int | None, typer.Option("--metrics-port",
-                                                 help="port of /metrics, /healthz, /readyz")]
+MetricsPort = Annotated[
+    int | None, typer.Option("--metrics-port", help="port of /metrics, /healthz, /readyz")
+]
 MetricsHost = Annotated[str | None, typer.Option("--metrics-host", help="address to bind")]
-Grace = Annotated[float | None, typer.Option("--grace-seconds",
-                                             help="time running jobs get to finish on SIGTERM")]
-EchoRate = Annotated[float | None, typer.Option("--echo-tokens-per-second",
-                                                help="echo engine tokens/s per job")]
+Grace = Annotated[
+    float | None, typer.Option("--grace-seconds", help="time running jobs get to finish on SIGTERM")
+]
+EchoRate = Annotated[
+    float | None, typer.Option("--echo-tokens-per-second", help="echo engine tokens/s per job")
+]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
 
 
@@ -59,10 +63,18 @@ def worker(
     from worker.main import run_worker
 
     settings = load_settings(
-        model=model, queue=queue, redis_url=redis_url, engine=_engine(engine),
-        max_batch_size=max_batch_size, cache_tokens=cache_tokens, attention=_attention(attention),
-        metrics_host=metrics_host, metrics_port=metrics_port, grace_seconds=grace_seconds,
-        echo_tokens_per_second=echo_tokens_per_second, log_level=log_level,
+        model=model,
+        queue=queue,
+        redis_url=redis_url,
+        engine=_engine(engine),
+        max_batch_size=max_batch_size,
+        cache_tokens=cache_tokens,
+        attention=_attention(attention),
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        grace_seconds=grace_seconds,
+        echo_tokens_per_second=echo_tokens_per_second,
+        log_level=log_level,
     )
     raise typer.Exit(run_worker(settings))
 
@@ -71,10 +83,12 @@ def up(
     model: Model = None,
     queue: QueueOpt = None,
     engine: EngineOpt = None,
-    redis_port: Annotated[int, typer.Option("--redis-port", help="port of the Redis it starts "
-                                            "on 127.0.0.1")] = 6379,
-    data_dir: Annotated[Path, typer.Option("--data-dir", help="where Redis keeps its "
-                                           "append-only file")] = Path(".exlq"),
+    redis_port: Annotated[
+        int, typer.Option("--redis-port", help="port of the Redis it starts on 127.0.0.1")
+    ] = 6379,
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="where Redis keeps its append-only file")
+    ] = Path(".exlq"),
     max_batch_size: Batch = None,
     cache_tokens: CacheTokens = None,
     attention: Attention = None,
@@ -88,16 +102,25 @@ def up(
 
     server = RedisServer(port=redis_port, data_dir=data_dir / "redis")
     settings = load_settings(
-        model=model, queue=queue, redis_url=server.url, engine=_engine(engine),
-        max_batch_size=max_batch_size, cache_tokens=cache_tokens, attention=_attention(attention),
-        metrics_port=metrics_port, echo_tokens_per_second=echo_tokens_per_second,
+        model=model,
+        queue=queue,
+        redis_url=server.url,
+        engine=_engine(engine),
+        max_batch_size=max_batch_size,
+        cache_tokens=cache_tokens,
+        attention=_attention(attention),
+        metrics_port=metrics_port,
+        echo_tokens_per_second=echo_tokens_per_second,
         log_level=log_level,
     )
     try:
         server.start()
     except RedisServerError as exc:
-        typer.secho(f"error: {exc} (is port {redis_port} taken? try --redis-port)", err=True,
-                    fg=typer.colors.RED)
+        typer.secho(
+            f"error: {exc} (is port {redis_port} taken? try --redis-port)",
+            err=True,
+            fg=typer.colors.RED,
+        )
         raise typer.Exit(2) from None
     typer.echo(
         f"Redis at {redacted(server.url)} (data in {data_dir / 'redis'}); starting the worker.\n"

@@ -70,19 +70,34 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def command(self) -> list[str]:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--protected-mode", "yes", "--save", ""]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--protected-mode",
+            "yes",
+            "--save",
+            "",
+        ]
         if self.data_dir is None:
             args += ["--appendonly", "no"]
         else:
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            args += ["--dir", str(self.data_dir), "--appendonly", "yes",
-                     "--appendfsync", "everysec"]
+            args += [
+                "--dir",
+                str(self.data_dir),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+            ]
         return args + self.extra_args
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         # A file, not a pipe: nobody drains a pipe, and a full one would stall the server.
-        log_file = self._log = tempfile.TemporaryFile()
+        log_file = self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives with the process
         # Its own session: a Ctrl-C meant for the worker must not stop Redis under it.
         self._process = subprocess.Popen(
             self.command(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
@@ -104,8 +119,7 @@ class RedisServer:
                     if time.monotonic() > deadline:
                         self.stop()
                         raise RedisServerError(
-                            f"redis-server did not answer on port {self.port} "
-                            f"within {timeout_s}s"
+                            f"redis-server did not answer on port {self.port} within {timeout_s}s"
                         ) from None
                     time.sleep(0.02)
         finally:

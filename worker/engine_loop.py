@@ -73,13 +73,20 @@ class EngineLoop:
             while True:
                 outputs: list[EngineOutput] = []
                 # Block only while idle; with work in flight, take what has arrived and step.
-                if not self._apply(self._take_commands(block=self.engine.active_jobs == 0),
-                                   outputs):
+                if not self._apply(
+                    self._take_commands(block=self.engine.active_jobs == 0), outputs
+                ):
                     return
                 step_seconds = self._step(outputs) if self.engine.active_jobs else None
                 if outputs or step_seconds is not None:
-                    self._report(StepReport(outputs, step_seconds, self.engine.active_jobs,
-                                            self.engine.cache_usage()))
+                    self._report(
+                        StepReport(
+                            outputs,
+                            step_seconds,
+                            self.engine.active_jobs,
+                            self.engine.cache_usage(),
+                        )
+                    )
         except EngineDead as exc:
             log.critical("engine is dead: %s", exc)
             self._report(StepReport([], None, 0, CacheUsage(0, 0), fatal=str(exc)))

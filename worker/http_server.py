@@ -16,7 +16,7 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
@@ -61,6 +61,7 @@ class HealthServer:
 
 def _text(start: Callable[..., Any], status: str, body: str) -> list[bytes]:
     data = body.encode()
-    start(status, [("Content-Type", "text/plain; charset=utf-8"),
-                   ("Content-Length", str(len(data)))])
+    start(
+        status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
+    )
     return [data]

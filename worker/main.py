@@ -59,8 +59,11 @@ def run_worker(settings: WorkerSettings) -> int:
 async def serve(settings: WorkerSettings) -> int:
     keys = QueueKeys(queue=settings.queue_name, prefix=settings.prefix)
     broker = Broker.from_url(
-        settings.redis_url, keys, settings.consumer_name,
-        result_ttl_s=settings.result_ttl_seconds, dead_max_len=settings.dead_stream_max_len,
+        settings.redis_url,
+        keys,
+        settings.consumer_name,
+        result_ttl_s=settings.result_ttl_seconds,
+        dead_max_len=settings.dead_stream_max_len,
     )
     try:
         await _check_redis(broker, settings.redis_url)
@@ -89,13 +92,16 @@ async def _check_redis(broker: Broker, url: str) -> None:
 async def _serve_with(settings: WorkerSettings, engine: Engine, broker: Broker) -> int:
     metrics = Metrics(settings.queue_name)
     metrics.info(
-        package_version(), engine.name, settings.model.name if settings.model else "",
+        package_version(),
+        engine.name,
+        settings.model.name if settings.model else "",
         engine.attention,
     )
     worker = Worker(settings, engine, broker, metrics)
     try:
-        http = HealthServer(settings.metrics_host, settings.metrics_port, metrics.wsgi_app(),
-                            lambda: worker.ready)
+        http = HealthServer(
+            settings.metrics_host, settings.metrics_port, metrics.wsgi_app(), lambda: worker.ready
+        )
     except OSError as exc:
         raise StartupError(
             f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({exc}); "
@@ -114,6 +120,5 @@ async def _serve_with(settings: WorkerSettings, engine: Engine, broker: Broker) 
 
 
 def _on_signal(stop: asyncio.Event, signum: int) -> None:
-    log.info("received %s: finishing running jobs, taking no new ones",
-             signal.Signals(signum).name)
+    log.info("received %s: finishing running jobs, taking no new ones", signal.Signals(signum).name)
     stop.set()

@@ -66,8 +66,10 @@ class Metrics:
         self._redis_connected = gauge("exlq_redis_connected", "1 while Redis answers.")
         self._ready = gauge("exlq_worker_ready", "1 while the worker takes jobs.")
         self._info = Gauge(
-            "exlq_worker_info", "Worker build and configuration.",
-            [*q, "version", "engine", "model", "attention"], registry=r,
+            "exlq_worker_info",
+            "Worker build and configuration.",
+            [*q, "version", "engine", "model", "attention"],
+            registry=r,
         )
         self._queue = queue
         for child in (self._running, self._capacity, self._redis_connected, self._ready):

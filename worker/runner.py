@@ -10,9 +10,17 @@ import time
 from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from producer.keys import check_name
-from producer.protocol import ErrorEvent, ErrorInfo, InvalidRequest, JobResult, parse_request
+from producer.protocol import (
+    ErrorEvent,
+    ErrorInfo,
+    FinishReason,
+    InvalidRequest,
+    JobResult,
+    parse_request,
+)
 from worker.broker import Batch, Broker, StartDecision, StreamEntry
 from worker.engine_loop import EngineLoop, StepReport
 from worker.engines.base import Engine, EngineOutput, JobEnded, JobErrored, TokenChunk
@@ -25,6 +33,8 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 _BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+# Redis outages: retry forever, 0.1 s growing to 5 s, with jitter so workers do not stampede.
+REDIS_BACKOFF = wait_exponential_jitter(multiplier=0.1, max=5.0)
 _HOUSEKEEPING_S = 0.5
 
 
@@ -66,9 +76,11 @@ class Worker:
         await self.broker.ensure_group()
         self._set_redis_ok(True)
         loop = asyncio.get_running_loop()
-        self._engine_loop = EngineLoop(
-            self.engine, lambda report: loop.call_soon_threadsafe(self._reports.put_nowait, report)
-        )
+
+        def hand_over(report: StepReport) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(self._reports.put_nowait, report)
+
+        self._engine_loop = EngineLoop(self.engine, hand_over)
         self._engine_loop.start()
         self.metrics.set_capacity(self.capacity)
         reader = asyncio.create_task(self._read_loop(), name="exlq-reader")
@@ -78,20 +90,30 @@ class Worker:
             asyncio.create_task(self._housekeeping_loop(), name="exlq-housekeeping"),
         ]
         self._publish_ready()
-        log.info("worker %s serving queue %r with capacity %d (engine %s)",
-                 self.broker.consumer, self.settings.queue_name, self.capacity, self.engine.name)
+        log.info(
+            "worker %s serving queue %r with capacity %d (engine %s)",
+            self.broker.consumer,
+            self.settings.queue_name,
+            self.capacity,
+            self.engine.name,
+        )
         await _first_of(stop.wait(), self._engine_dead.wait())
         await self._shutdown(reader, helpers)
         return self.exit_code
 
-    async def _shutdown(self, reader: asyncio.Task[None], helpers: list[asyncio.Task[None]]) -> None:
+    async def _shutdown(
+        self, reader: asyncio.Task[None], helpers: list[asyncio.Task[None]]
+    ) -> None:
         self._stop_reading.set()
         self._publish_ready()
         # Let an XREADGROUP in flight return: entries it brings are taken, not lost.
         await reader
         if not self._engine_dead.is_set() and self.held:
-            log.info("stopping: waiting up to %.0fs for %d running jobs",
-                     self.settings.grace_seconds, len(self.held))
+            log.info(
+                "stopping: waiting up to %.0fs for %d running jobs",
+                self.settings.grace_seconds,
+                len(self.held),
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained(), self.settings.grace_seconds)
         if self.held:
@@ -150,9 +172,13 @@ class Worker:
         now = time.time()
         for (entry, request), decision in zip(decoded, decisions, strict=True):
             job = RunningJob(
-                job_id=request.id, entry_id=entry.entry_id, request=request,
-                attempt=max(decision.attempt, 1), channel=self.broker.keys.events(request.id),
-                enqueued_at=entry.enqueued_at_server - self._clock_offset_s, started_at=now,
+                job_id=request.id,
+                entry_id=entry.entry_id,
+                request=request,
+                attempt=max(decision.attempt, 1),
+                channel=self.broker.keys.events(request.id),
+                enqueued_at=entry.enqueued_at_server - self._clock_offset_s,
+                started_at=now,
             )
             self._start(batch, job, decision, now)
         self._note_held()
@@ -161,13 +187,18 @@ class Worker:
 
     def _start(self, batch: Batch, job: RunningJob, decision: StartDecision, now: float) -> None:
         if decision.verdict in ("ended", "duplicate"):
-            log.info("skipping entry %s of job %s: %s %s", job.entry_id, job.job_id,
-                     decision.verdict, decision.detail)
+            log.info(
+                "skipping entry %s of job %s: %s %s",
+                job.entry_id,
+                job.job_id,
+                decision.verdict,
+                decision.detail,
+            )
             batch.ack(job.entry_id)
             return
         deadline = job.request.deadline
         if decision.verdict == "cancel" or (deadline is not None and deadline <= now):
-            reason = "cancelled" if decision.verdict == "cancel" else "expired"
+            reason: FinishReason = "cancelled" if decision.verdict == "cancel" else "expired"
             self._finish(batch, job, JobEnded(job.job_id, reason, 0, 0), now)
             return
         self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
@@ -193,15 +224,17 @@ class Worker:
     def _dead_letter(
         self, batch: Batch, entry_id: str, payload: bytes | None, error: ErrorInfo, attempts: int
     ) -> None:
-        batch.dead_letter({
-            "entry": entry_id,
-            "job": (payload or b"").decode(errors="replace"),
-            "error": error.code,
-            "message": error.message,
-            "attempts": str(attempts),
-            "worker": self.broker.consumer,
-            "failed_at": f"{time.time():.3f}",
-        })
+        batch.dead_letter(
+            {
+                "entry": entry_id,
+                "job": (payload or b"").decode(errors="replace"),
+                "error": error.code,
+                "message": error.message,
+                "attempts": str(attempts),
+                "worker": self.broker.consumer,
+                "failed_at": f"{time.time():.3f}",
+            }
+        )
         self.metrics.dead_lettered()
 
     # -- publishing ----------------------------------------------------------------------
@@ -272,25 +305,33 @@ class Worker:
         batch.store_result(job.job_id, "failed", result_json, self.broker.consumer)
         batch.publish(job.channel, event_json)
         error = ErrorInfo(code=errored.code, message=errored.message)
-        self._dead_letter(batch, job.entry_id, job.request.model_dump_json().encode(), error,
-                          job.attempt)
+        self._dead_letter(
+            batch, job.entry_id, job.request.model_dump_json().encode(), error, job.attempt
+        )
         batch.ack(job.entry_id)
         self.metrics.job_failed(errored.code)
 
     async def _commit(self, batch: Batch) -> None:
         """Write a batch, retrying through Redis outages: a lost batch would lose events."""
-        failures = 0
-        while True:
-            try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(RedisError),
+            wait=REDIS_BACKOFF,
+            before_sleep=self._on_redis_retry("writing to Redis"),
+        ):
+            with attempt:
                 await self.broker.commit(batch)
-                self._set_redis_ok(True)
-                return
-            except RedisError as exc:
-                self._set_redis_ok(False)
-                delay = backoff(failures)
-                failures += 1
-                log.warning("writing to Redis failed (%s); retrying in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
+        self._set_redis_ok(True)
+
+    def _on_redis_retry(self, what: str) -> Callable[[RetryCallState], None]:
+        def report(state: RetryCallState) -> None:
+            self._set_redis_ok(False)
+            delay = state.next_action.sleep if state.next_action else 0.0
+            error = state.outcome.exception() if state.outcome else None
+            log.warning(
+                "%s failed (%s); retry %d in %.1fs", what, error, state.attempt_number, delay
+            )
+
+        return report
 
     # -- cancellation, deadlines, heartbeat ---------------------------------------------
 
@@ -312,8 +353,9 @@ class Worker:
             if now >= next_heartbeat:
                 next_heartbeat = now + self.settings.heartbeat_seconds
                 try:
-                    await self.broker.heartbeat(self._heartbeat_info(),
-                                                self.settings.heartbeat_seconds * 6)
+                    await self.broker.heartbeat(
+                        self._heartbeat_info(), self.settings.heartbeat_seconds * 6
+                    )
                     self._set_redis_ok(True)
                 except RedisError as exc:
                     self._set_redis_ok(False)

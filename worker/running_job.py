@@ -49,8 +49,12 @@ class RunningJob:
         self.text_parts.append(chunk.text)
         self.completion_tokens += len(chunk.token_ids)
         event = TokenEvent.model_construct(
-            id=self.job_id, seq=self._next_seq(), attempt=self.attempt, text=chunk.text,
-            token_ids=chunk.token_ids, logprobs=chunk.logprobs,
+            id=self.job_id,
+            seq=self._next_seq(),
+            attempt=self.attempt,
+            text=chunk.text,
+            token_ids=chunk.token_ids,
+            logprobs=chunk.logprobs,
         )
         return event.model_dump_json(exclude_none=True)
 
@@ -72,15 +76,24 @@ class RunningJob:
         )
         timings = self.timings(now)
         event = DoneEvent(
-            id=self.job_id, seq=self._next_seq(), attempt=self.attempt, finish_reason=reason,
-            usage=usage, timings=timings,
+            id=self.job_id,
+            seq=self._next_seq(),
+            attempt=self.attempt,
+            finish_reason=reason,
+            usage=usage,
+            timings=timings,
         )
         state: JobState = (
             "cancelled" if reason == "cancelled" else "expired" if reason == "expired" else "done"
         )
         result = JobResult(
-            id=self.job_id, state=state, text="".join(self.text_parts), finish_reason=reason,
-            usage=usage, timings=timings, attempts=self.attempt,
+            id=self.job_id,
+            state=state,
+            text="".join(self.text_parts),
+            finish_reason=reason,
+            usage=usage,
+            timings=timings,
+            attempts=self.attempt,
         )
         return state, event.model_dump_json(), result.model_dump_json()
 
@@ -89,7 +102,11 @@ class RunningJob:
         error = ErrorInfo(code=code, message=message)
         event = ErrorEvent(id=self.job_id, seq=self._next_seq(), attempt=self.attempt, error=error)
         result = JobResult(
-            id=self.job_id, state="failed", text="".join(self.text_parts),
-            timings=self.timings(now), error=error, attempts=self.attempt,
+            id=self.job_id,
+            state="failed",
+            text="".join(self.text_parts),
+            timings=self.timings(now),
+            error=error,
+            attempts=self.attempt,
         )
         return event.model_dump_json(), result.model_dump_json()

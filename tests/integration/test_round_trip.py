@@ -28,8 +28,10 @@ async def test_async_round_trip_streams_then_stores_the_same_text(
     assert isinstance(done, DoneEvent)
     assert [e.seq for e in events] == list(range(len(events)))
     streamed = "".join(t.text for t in tokens)
-    assert streamed == result.text == echo_text(
-        GenerationRequest(prompt="the quick brown fox", max_new_tokens=12)
+    assert (
+        streamed
+        == result.text
+        == echo_text(GenerationRequest(prompt="the quick brown fox", max_new_tokens=12))
     )
     assert done.finish_reason == "length" == result.finish_reason
     assert done.usage.completion_tokens == 12
@@ -47,9 +49,7 @@ async def test_stream_text_yields_only_text(
     assert "".join(pieces) == " one two one two one"
 
 
-async def test_sync_producer_round_trip(
-    redis_url: str, queue_name: str, start_worker: Any
-) -> None:
+async def test_sync_producer_round_trip(redis_url: str, queue_name: str, start_worker: Any) -> None:
     await start_worker()
 
     def produce() -> tuple[list[str], str, str]:

@@ -1,0 +1,269 @@
+"""ExLlamaV2Engine: the only module that drives exllamav2's dynamic generator.
+
+It runs ExLlamaV2DynamicGenerator directly, not ExLlamaV2DynamicGeneratorAsync: the async
+wrapper calls iterate() on the event loop (no Redis I/O while the GPU works) and its loop
+ends for good on the first exception. The worker calls step() on a thread of its own and
+turns exllamav2's result dicts into typed outputs here, so nothing else sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from producer.protocol import (
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    TokenChoices,
+    TokenLogprob,
+)
+from worker.engines.base import (
+    CacheUsage,
+    Engine,
+    EngineDead,
+    EngineOutput,
+    EngineUnavailable,
+    JobEnded,
+    TokenChunk,
+)
+from worker.engines.chat_template import ChatFormatter
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+PAGE_TOKENS = 256  # exllamav2's PAGED_PAGE_SIZE
+
+
+def require_cuda() -> None:
+    """Refuse early, with a message, where exllamav2 could only fail inside a compiler."""
+    try:
+        import torch
+    except ImportError:
+        raise EngineUnavailable(
+            "the exllamav2 engine needs torch: install the worker extra "
+            "(pip install 'exlq[worker]'), or run --engine echo to test without a GPU"
+        ) from None
+    if not torch.cuda.is_available():
+        raise EngineUnavailable(
+            "the exllamav2 engine needs an NVIDIA GPU with CUDA, and torch sees none "
+            "(torch.cuda.is_available() is False); run --engine echo to test without a GPU"
+        )
+
+
+def load_exllamav2_engine(settings: WorkerSettings) -> ExLlamaV2Engine:
+    require_cuda()
+    assert settings.model is not None
+    if not (settings.model / "config.json").exists():
+        raise EngineUnavailable(f"{settings.model} has no config.json: is it a model directory?")
+    from worker.engines.exllamav2_attention import install_attention
+
+    attention = install_attention(settings.attention)
+    try:
+        return ExLlamaV2Engine(settings, attention)
+    except (OSError, ValueError, AssertionError) as exc:
+        raise EngineUnavailable(f"cannot load the model from {settings.model}: {exc}") from exc
+
+
+@dataclass
+class _Job:
+    job: Any  # ExLlamaV2DynamicJob
+    prompt_tokens: int
+
+
+class ExLlamaV2Engine(Engine):
+    name = "exllamav2"
+
+    def __init__(self, settings: WorkerSettings, attention: str) -> None:
+        import torch
+        from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+        from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+        assert settings.model is not None
+        self._torch = torch
+        self.attention = attention
+        paged = attention != "none"
+        self.capacity = settings.max_batch_size if paged else 1
+        if not paged:
+            log.warning("no paged attention backend: batching is OFF, one job at a time")
+        config = ExLlamaV2Config(str(settings.model))
+        cache_tokens = max(PAGE_TOKENS, settings.cache_tokens // PAGE_TOKENS * PAGE_TOKENS)
+        self.model = ExLlamaV2(config)
+        self.cache = ExLlamaV2Cache(self.model, max_seq_len=cache_tokens, lazy=True)
+        self.model.load_autosplit(self.cache, progress=False)
+        self.tokenizer = ExLlamaV2Tokenizer(config)
+        chunk = min(settings.max_chunk_size, config.max_input_len)
+        self.generator = ExLlamaV2DynamicGenerator(
+            model=self.model,
+            cache=self.cache,
+            tokenizer=self.tokenizer,
+            max_batch_size=self.capacity,
+            max_chunk_size=chunk // PAGE_TOKENS * PAGE_TOKENS if paged else chunk,
+            paged=paged,
+        )
+        self.generator.warmup()
+        self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)
+        self.chat = ChatFormatter(
+            settings.model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
+        )
+        self._pieces: list[str] | None = None
+        self._jobs: dict[str, _Job] = {}
+        log.info(
+            "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s",
+            settings.model.name,
+            cache_tokens,
+            self.capacity,
+            attention,
+        )
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def add(self, job_id: str, request: GenerationRequest) -> None:
+        from exllamav2.generator import ExLlamaV2DynamicJob
+
+        input_ids = self._encode(request)
+        prompt_tokens = int(input_ids.shape[-1])
+        if prompt_tokens + request.max_new_tokens > self.max_seq_len:
+            raise InvalidRequest(
+                f"prompt ({prompt_tokens} tokens) plus max_new_tokens "
+                f"({request.max_new_tokens}) exceeds the {self.max_seq_len} tokens this worker "
+                "can hold for one job: shorten the prompt or lower max_new_tokens"
+            )
+        stops: list[int | str] = [*request.stop, *request.stop_token_ids]
+        if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
+            stops.append(self.tokenizer.eos_token_id)
+        job = ExLlamaV2DynamicJob(
+            input_ids=input_ids,
+            max_new_tokens=request.max_new_tokens,
+            gen_settings=self._sampler(request),
+            seed=request.sampling.seed,
+            stop_conditions=stops,
+            banned_strings=request.banned_strings or None,
+            return_top_tokens=request.logprobs,
+            return_probs=request.logprobs > 0,
+            identifier=job_id,
+        )
+        self.generator.enqueue(job)
+        self._jobs[job_id] = _Job(job, prompt_tokens)
+
+    def _encode(self, request: GenerationRequest) -> Any:
+        if request.input_ids is not None:
+            vocab = self.model.config.vocab_size
+            if max(request.input_ids) >= vocab:
+                raise InvalidRequest(
+                    f"input_ids holds an id outside the vocabulary (0..{vocab - 1})"
+                )
+            return self._torch.tensor([request.input_ids], dtype=self._torch.long)
+        if request.messages is not None:
+            text = self.chat.render(request.messages)
+            return self.tokenizer.encode(
+                text,
+                add_bos=not self.chat.has_template,
+                encode_special_tokens=self.chat.has_template,
+            )
+        return self.tokenizer.encode(request.prompt or "", add_bos=True)
+
+    def _sampler(self, request: GenerationRequest) -> Any:
+        from exllamav2.generator import ExLlamaV2Sampler
+
+        s = request.sampling
+        if s.temperature == 0.0:
+            return ExLlamaV2Sampler.Settings.greedy(
+                token_repetition_penalty=s.repetition_penalty,
+                token_frequency_penalty=s.frequency_penalty,
+                token_presence_penalty=s.presence_penalty,
+            )
+        return ExLlamaV2Sampler.Settings(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            typical=0.0 if s.typical >= 1.0 else s.typical,
+            token_repetition_penalty=s.repetition_penalty,
+            token_frequency_penalty=s.frequency_penalty,
+            token_presence_penalty=s.presence_penalty,
+        )
+
+    def cancel(self, job_id: str) -> JobEnded | None:
+        entry = self._jobs.pop(job_id, None)
+        if entry is None:
+            return None
+        self.generator.cancel(entry.job)
+        return JobEnded(job_id, "cancelled", entry.prompt_tokens, int(entry.job.new_tokens))
+
+    def step(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        for result in self.generator.iterate():
+            if result["stage"] != "streaming":
+                continue
+            job_id: str = result["identifier"]
+            outputs.extend(self._outputs_of(job_id, result))
+        return outputs
+
+    def _outputs_of(self, job_id: str, result: dict[str, Any]) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        text: str = result.get("text", "")
+        ids_tensor = result.get("token_ids")
+        token_ids: list[int] = [] if ids_tensor is None else ids_tensor.flatten().tolist()
+        if text or token_ids:
+            outputs.append(TokenChunk(job_id, text, token_ids, self._logprobs(result)))
+        if result["eos"]:
+            entry = self._jobs.pop(job_id, None)
+            reason: FinishReason = (
+                "length" if result.get("eos_reason") == "max_new_tokens" else "stop"
+            )
+            outputs.append(
+                JobEnded(
+                    job_id,
+                    reason,
+                    prompt_tokens=int(
+                        result.get("prompt_tokens", entry.prompt_tokens if entry else 0)
+                    ),
+                    completion_tokens=int(result.get("new_tokens", 0)),
+                    cached_tokens=int(result.get("cached_tokens", 0)),
+                )
+            )
+        return outputs
+
+    def _logprobs(self, result: dict[str, Any]) -> list[TokenChoices] | None:
+        top_ids = result.get("top_k_tokens")
+        top_probs = result.get("top_k_probs")
+        if top_ids is None or top_probs is None:
+            return None
+        if self._pieces is None:
+            self._pieces = self.tokenizer.get_id_to_piece_list(True)
+        pieces = self._pieces
+        choices = []
+        for ids_row, probs_row in zip(top_ids[0].tolist(), top_probs[0].tolist(), strict=True):
+            choices.append(
+                TokenChoices(
+                    top=[
+                        TokenLogprob(token=pieces[i], token_id=i, logprob=math.log(max(p, 1e-30)))
+                        for i, p in zip(ids_row, probs_row, strict=True)
+                    ]
+                )
+            )
+        return choices
+
+    def abort_all(self) -> list[str]:
+        ids = list(self._jobs)
+        self._jobs.clear()
+        try:
+            self.generator.clear_queue()
+            self._torch.cuda.synchronize()
+        except Exception as exc:  # a CUDA error is sticky: nothing will run again
+            raise EngineDead(f"cannot reset the generator: {exc}") from exc
+        return ids
+
+    @property
+    def active_jobs(self) -> int:
+        return len(self._jobs)
+
+    def cache_usage(self) -> CacheUsage:
+        return CacheUsage(len(self.generator.referenced_pages), self.generator.max_pages)
+
+    def close(self) -> None:
+        self.generator.clear_queue()
+        self.model.unload()
