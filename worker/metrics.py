@@ -72,10 +72,27 @@ class Metrics:
             registry=r,
         )
         self._queue = queue
-        for child in (self._running, self._capacity, self._redis_connected, self._ready):
-            child.labels(queue).set(0)
-        for child_counter in (self._received, self._requeued, self._dead):
-            child_counter.labels(queue)
+        # Create every per-queue series now, so dashboards show zeros, not gaps.
+        for collector in (
+            self._received,
+            self._requeued,
+            self._dead,
+            self._running,
+            self._capacity,
+            self._queue_wait,
+            self._ttft,
+            self._itl,
+            self._duration,
+            self._step,
+            self._prompt_tokens,
+            self._generated_tokens,
+            self._cached_tokens,
+            self._pages_used,
+            self._pages_total,
+            self._redis_connected,
+            self._ready,
+        ):
+            collector.labels(queue)
 
     def info(self, version: str, engine: str, model: str, attention: str) -> None:
         self._info.labels(self._queue, version, engine, model, attention).set(1)
