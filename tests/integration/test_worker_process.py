@@ -145,3 +145,63 @@ def test_cli_submit_prints_the_result(redis_url: str, queue_name: str) -> None:
     assert done.stdout == " cli words cli\n"
     assert streamed.stdout == " cli words cli\n"
     assert "[length: 3 tokens" in streamed.stderr
+
+
+def test_up_starts_its_own_redis_and_a_worker(tmp_path: Any) -> None:
+    port = free_port()
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "producer.cli",
+            "up",
+            "--engine",
+            "echo",
+            "--queue",
+            "demo",
+            "--redis-port",
+            str(port),
+            "--data-dir",
+            str(tmp_path),
+            "--metrics-port",
+            "0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        banner = "".join(up.stdout.readline() for _ in range(3))
+        assert f"exlq submit 'Hello' --queue demo --redis-url redis://127.0.0.1:{port}/0" in banner
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "producer.cli",
+                "submit",
+                "up works",
+                "--queue",
+                "demo",
+                "--redis-url",
+                f"redis://127.0.0.1:{port}/0",
+                "--max-new-tokens",
+                "2",
+                "--timeout",
+                "20",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.stdout == " up works\n", done.stderr
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=30)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate()
+    assert up.returncode == 0
+    assert (tmp_path / "redis" / "appendonly.aof").exists() or any((tmp_path / "redis").iterdir())
