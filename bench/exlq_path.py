@@ -1,0 +1,194 @@
+"""(b) The full exlq path: producer SDK -> Redis -> `exlq worker` -> pub/sub -> SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.baselines import _summarize, random_prompt_ids
+from producer import AsyncProducer, DoneEvent, TokenEvent
+from worker.embedded_redis import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+QUEUE = "bench"
+
+
+class WorkerProcess:
+    """`exlq worker` on the model, in a process of its own, as users run it."""
+
+    def __init__(self, model_dir: Path, redis_url: str, options: dict[str, str]) -> None:
+        self.metrics_port = free_port()
+        args = [
+            "--model",
+            str(model_dir),
+            "--queue",
+            QUEUE,
+            "--redis-url",
+            redis_url,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--log-level",
+            "WARNING",
+        ]
+        for flag, value in options.items():
+            args += [flag, value]
+        log_path = os.environ.get("EXLQ_BENCH_WORKER_LOG", "/tmp/exlq-bench-worker.log")
+        self.log = open(log_path, "a")  # noqa: SIM115 - lives with the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", "worker", *args],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}{path}"
+
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"worker exited with {self.process.returncode}; see {self.log.name}"
+                )
+            try:
+                with urllib.request.urlopen(self._url("/readyz"), timeout=1):
+                    return time.monotonic() - started
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError("worker not ready")
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(self._url("/metrics"), timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + "{") or line.startswith(name + " "):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def worker_gpu_memory_gib() -> float | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    used = [float(x) for x in out.split()]
+    return max(used) / 1024 if used else None
+
+
+async def _run_point(
+    redis_url: str, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[float, float, list[list[float]], int]:
+    async with AsyncProducer(redis_url, queue=QUEUE) as producer:
+        warm = await producer.submit(input_ids=[3, 4, 5], max_new_tokens=4, ignore_eos=True)
+        await warm.result(timeout=300)
+
+        times: list[list[float]] = [[] for _ in prompts]
+        counts = [0] * len(prompts)
+
+        async def one(j: int, ids: list[int]) -> None:
+            handle = await producer.submit(
+                input_ids=ids,
+                max_new_tokens=max_new_tokens,
+                ignore_eos=True,
+                sampling={"temperature": 0.0},
+            )
+            async for event in handle.stream():
+                if isinstance(event, TokenEvent):
+                    now = time.perf_counter()
+                    times[j].extend([now] * len(event.token_ids))
+                    counts[j] += len(event.token_ids)
+                elif isinstance(event, DoneEvent):
+                    return
+                else:
+                    raise RuntimeError(f"job {j}: {event}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(j, ids) for j, ids in enumerate(prompts)))
+        t_end = time.perf_counter()
+    return t0, t_end, times, sum(counts)
+
+
+def bench_exlq(
+    model_dir: str | Path,
+    concurrencies: list[int],
+    prompt_tokens: int,
+    max_new_tokens: int,
+    *,
+    cache_tokens: int = 65536,
+    max_batch_size: int | None = None,
+    attention: str = "auto",
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One worker (max_batch_size = the largest concurrency unless given) serves every point."""
+    model_dir = Path(model_dir)
+    batch = max_batch_size or max(concurrencies)
+    results = []
+    with RedisServer() as redis:
+        worker = WorkerProcess(
+            model_dir,
+            redis.url,
+            {
+                "--max-batch-size": str(batch),
+                "--cache-tokens": str(cache_tokens),
+                "--attention": attention,
+            },
+        )
+        try:
+            load_s = worker.wait_ready()
+            for n in concurrencies:
+                prompts = random_prompt_ids(model_dir, n, prompt_tokens, seed)
+                steps_before = worker.metric("exlq_engine_step_seconds_count")
+                step_sum_before = worker.metric("exlq_engine_step_seconds_sum")
+                t0, t_end, times, completion = asyncio.run(
+                    _run_point(redis.url, prompts, max_new_tokens)
+                )
+                steps = worker.metric("exlq_engine_step_seconds_count") - steps_before
+                step_sum = worker.metric("exlq_engine_step_seconds_sum") - step_sum_before
+                out = _summarize(
+                    system="exlq",
+                    model_dir=model_dir,
+                    concurrency=n,
+                    prompt_tokens=prompt_tokens,
+                    max_new_tokens=max_new_tokens,
+                    t0=t0,
+                    t_end=t_end,
+                    token_times=times,
+                    completion_tokens=completion,
+                )
+                out.update(
+                    {
+                        "steps": int(steps),
+                        "step_ms_mean": step_sum / steps * 1000 if steps else None,
+                        "max_batch_size": batch,
+                        "cache_tokens": cache_tokens,
+                        "attention": attention,
+                        "load_s": load_s,
+                        "note": "times are when the SDK received each token event",
+                    }
+                )
+                results.append(out)
+                print(f"exlq n={n}: {out['output_tokens_per_s']:.0f} tok/s", flush=True)
+        finally:
+            worker.stop()
+    return results

@@ -1,0 +1,229 @@
+"""One command, one GPU: bare exllamav2, the exlq path, exllamav2's websocket server and
+transformers on the same random-weight checkpoints; JSON and a markdown table out.
+
+    python -m bench.run --shapes 1b,8b --concurrency 1,8,32,64,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import baselines
+from bench.exlq_path import bench_exlq
+from bench.make_checkpoint import make_checkpoint
+
+RESULTS = Path(__file__).resolve().parent / "results"
+COLUMNS = [
+    ("system", "system"),
+    ("concurrency", "N"),
+    ("output_tokens_per_s", "tok/s"),
+    ("ttft_ms_p50", "TTFT p50 ms"),
+    ("ttft_ms_p99", "TTFT p99 ms"),
+    ("itl_ms_p50", "ITL p50 ms"),
+    ("itl_ms_p99", "ITL p99 ms"),
+    ("step_ms", "ms/step"),
+    ("peak_gpu_mem_gib", "peak GiB"),
+]
+
+
+def measure_bandwidth() -> float:
+    """Device-to-device copy, bytes read plus written per second (median of 20)."""
+    import torch
+
+    src = torch.empty(2 * 1024**3 // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    torch.cuda.empty_cache()
+    median = sorted(times[3:])[len(times[3:]) // 2]
+    return 2 * 2 * 1024**3 / median
+
+
+def gpu_name() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
+
+
+def exlq_attention_patch() -> None:
+    from worker.engines.exllamav2_attention import install_attention
+
+    install_attention("exlq")
+
+
+def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
+    model = make_checkpoint(Path(args.models) / f"llama-{shape}-random", shape)
+    floor_ms = baselines.memory_bandwidth_floor_ms(model, bandwidth)
+    rows: list[dict[str, Any]] = []
+    point = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens}
+
+    def record(row: dict[str, Any]) -> None:
+        row.update(shape=shape, floor_ms=floor_ms)
+        row["step_ms"] = row.get("decode_step_ms_median") or row.get("step_ms_mean")
+        rows.append(row)
+        print(json.dumps({k: row.get(k) for k, _ in COLUMNS} | {"shape": shape}), flush=True)
+
+    systems: dict[str, Callable[[], None]] = {
+        "a": lambda: [
+            record(
+                baselines.bench_exllamav2_dynamic(
+                    model,
+                    n,
+                    cache_tokens=args.cache_tokens,
+                    attn_patch=exlq_attention_patch,
+                    **point,
+                )
+            )
+            for n in args.concurrency
+        ],
+        "b": lambda: [
+            record(r)
+            for r in bench_exlq(
+                model, args.concurrency, cache_tokens=args.cache_tokens, attention="exlq", **point
+            )
+        ],
+        "c": lambda: [
+            record(
+                baselines.bench_exllamav2_websocket(model, n, timeout_s=args.ws_window_s, **point)
+            )
+            for n in args.concurrency
+        ],
+        "d": lambda: [
+            record(baselines.bench_transformers(model, n, cache_tokens=args.cache_tokens, **point))
+            for n in args.concurrency
+        ],
+    }
+    for key in args.systems:
+        started = time.monotonic()
+        try:
+            systems[key]()
+        except Exception as exc:  # one system failing must not lose the others' figures
+            rows.append({"shape": shape, "system": key, "error": repr(exc)})
+            print(f"system {key} on {shape} failed: {exc!r}", flush=True)
+        print(f"system {key} on {shape}: {time.monotonic() - started:.0f}s", flush=True)
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
+    return str(value)
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"GPU: {meta['gpu']}, measured copy bandwidth {meta['bandwidth_tb_s']:.2f} TB/s; "
+        f"{meta['date']}; prompt {meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new "
+        f"tokens, EOS ignored, greedy; cache {meta['cache_tokens']} tokens.",
+        f"Command: `{meta['command']}`",
+        "",
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == shape and "error" not in r]
+        floor = next((r["floor_ms"] for r in mine), None)
+        lines += [
+            f"### {shape} shape (decode-step floor {_fmt(floor)} ms)",
+            "",
+            "| " + " | ".join(h for _, h in COLUMNS) + " |",
+            "|" + "---|" * len(COLUMNS),
+        ]
+        lines += ["| " + " | ".join(_fmt(r.get(k)) for k, _ in COLUMNS) + " |" for r in mine]
+        lines += [
+            f"| {r['system']} failed: {r['error']} |"
+            for r in rows
+            if r["shape"] == shape and "error" in r
+        ]
+        lines += ["", *ratio_lines(mine), ""]
+    return "\n".join(lines)
+
+
+def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
+    by = {(r["system"], r["concurrency"]): r for r in rows}
+    out = [
+        "| N | exlq / bare tok/s | exlq added TTFT p50 ms | exlq / websocket | "
+        "exlq / transformers |",
+        "|---|---|---|---|---|",
+    ]
+    for n in sorted({r["concurrency"] for r in rows}):
+        exlq = by.get(("exlq", n))
+        if exlq is None:
+            continue
+        bare = by.get(("exllamav2-dynamic", n))
+        ratios = []
+        for other in (
+            bare,
+            by.get(("exllamav2-websocket", n)),
+            next((r for (s, m), r in by.items() if s.startswith("transformers") and m == n), None),
+        ):
+            ok = other and other.get("output_tokens_per_s") and exlq.get("output_tokens_per_s")
+            ratios.append(
+                f"{exlq['output_tokens_per_s'] / other['output_tokens_per_s']:.3f}"
+                if ok and other
+                else "-"
+            )
+        added = (
+            exlq["ttft_ms_p50"] - bare["ttft_ms_p50"]
+            if bare and bare.get("ttft_ms_p50") is not None
+            else None
+        )
+        out.append(f"| {n} | {ratios[0]} | {_fmt(added)} | {ratios[1]} | {ratios[2]} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="1b,8b")
+    ap.add_argument("--systems", default="abcd", help="a bare, b exlq, c websocket, d hf")
+    ap.add_argument("--concurrency", default="1,8,32,64,128")
+    ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
+    ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--cache-tokens", type=int, default=65536)
+    ap.add_argument("--ws-window-s", type=float, default=30.0)
+    ap.add_argument("--models", default="/tmp/exlq-models")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    bandwidth = measure_bandwidth()
+    meta = {
+        "gpu": gpu_name(),
+        "bandwidth_tb_s": bandwidth / 1e12,
+        "date": dt.date.today().isoformat(),
+        "prompt_tokens": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "cache_tokens": args.cache_tokens,
+        "command": "python -m bench.run "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ','.join(map(str, v))}"
+            for k, v in vars(args).items()
+            if k not in ("out", "models")
+        ),
+    }
+    rows: list[dict[str, Any]] = []
+    for shape in args.shapes.split(","):
+        rows += run_shape(shape, args, bandwidth)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    table = markdown(rows, meta)
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
