@@ -352,6 +352,20 @@ def bench_exllamav2_dynamic(
         load_s = time.perf_counter() - t_load
         if warmup:
             generator.warmup()
+            # One short job first, so kernel compilation stays out of the timed run.
+            generator.enqueue(
+                exl_gen.ExLlamaV2DynamicJob(
+                    input_ids=torch.tensor(
+                        random_prompt_ids(model_dir, 1, prompt_tokens, seed + 1000),
+                        dtype=torch.long,
+                    ),
+                    max_new_tokens=4,
+                    stop_conditions=[],
+                    gen_settings=exl_gen.ExLlamaV2Sampler.Settings.greedy(),
+                )
+            )
+            while generator.num_remaining_jobs():
+                generator.iterate()
 
         settings = exl_gen.ExLlamaV2Sampler.Settings.greedy()
         jobs = [

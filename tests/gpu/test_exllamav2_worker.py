@@ -27,6 +27,7 @@ def engine(model_dir: Path) -> Any:
     settings = WorkerSettings(model=model_dir, max_batch_size=16, cache_tokens=16_384)
     loaded = load_exllamav2_engine(settings)
     print(f"\nexllamav2 engine: attention={loaded.attention} capacity={loaded.capacity}")
+    assert loaded.attention in ("exlq", "flash-attn") and loaded.capacity == 16
     yield loaded
     loaded.close()
 

@@ -301,6 +301,7 @@ def test_rejects_unsupported_arguments() -> None:
 
 
 @pytest.mark.skipif(INTERPRET, reason="host-sync detection needs CUDA")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode:UserWarning")
 @pytest.mark.parametrize(
     ("q_len", "seqlens", "num_splits"),
     [(1, (100, 2000), 0), (1, (100, 2000), 1), (256, (300,), 0), (64, (3000,), 4)],

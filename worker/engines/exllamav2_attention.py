@@ -1,35 +1,89 @@
-"""Chooses exllamav2's attention backend: flash-attn when installed, else exlq's paged kernels.
+"""Chooses exllamav2's attention backend: flash-attn when installed, else exlq's Triton kernels.
 
-Placeholder until the paged kernels land: without flash-attn the engine runs unpaged.
+exllamav2 0.3.2 batches (paged mode) only when flash-attn >= 2.5.7 is importable. Without it
+we put exlq's paged kernel in the place of flash-attn's ``flash_attn_with_kvcache`` inside
+``exllamav2.attn`` and raise the flags that gate paged mode. This module is the only place
+that touches those internals; tests/unit/test_attention_hook.py fails loudly if they move.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import logging
+from typing import Any
 
 from worker.engines.base import EngineUnavailable
 from worker.settings import AttentionChoice
 
 log = logging.getLogger(__name__)
 
+PINNED_EXLLAMAV2 = "0.3.2"
+# Module-level flags of exllamav2.attn that gate paged mode; the hook raises them and binds
+# the global `flash_attn_with_kvcache` that forward_paged calls (exllamav2 defines it only when
+# flash-attn imports). `has_flash_attn` stays False: with it True the unpaged paths would call
+# flash_attn_func, which exlq does not provide.
+HOOKED_FLAGS = (
+    "has_flash_attn_with_paged",
+    "has_flash_attn_with_window",
+    "has_flash_attn_with_softcap",
+)
+_REQUIRED_NAMES = (*HOOKED_FLAGS, "has_flash_attn", "assert_paged_attn", "ExLlamaV2Attention")
+
 
 def flash_attn_available() -> bool:
+    """flash-attn recent enough for paged attention, as exllamav2 itself checks."""
     try:
-        import flash_attn  # noqa: F401
-    except ImportError:
+        version = importlib.metadata.version("flash_attn")
+    except importlib.metadata.PackageNotFoundError:
         return False
-    return True
+    parts = [int(p) for p in version.split(".")[:3] if p.isdigit()]
+    return parts >= [2, 5, 7]
+
+
+def check_hook_points(attn_module: Any) -> None:
+    """Raise EngineUnavailable unless exllamav2.attn still has what the hook replaces."""
+    missing = [name for name in _REQUIRED_NAMES if not hasattr(attn_module, name)]
+    paged = getattr(getattr(attn_module, "ExLlamaV2Attention", None), "forward_paged", None)
+    if paged is None or "flash_attn_with_kvcache" not in paged.__code__.co_names:
+        missing.append("forward_paged calling flash_attn_with_kvcache")
+    installed = importlib.metadata.version("exllamav2")
+    if missing or installed != PINNED_EXLLAMAV2:
+        raise EngineUnavailable(
+            f"exlq's attention hook is written for exllamav2 {PINNED_EXLLAMAV2}; found "
+            f"{installed}{' without ' + ', '.join(missing) if missing else ''}. Install "
+            f"exllamav2=={PINNED_EXLLAMAV2}, or flash-attn and --attention flash-attn"
+        )
+
+
+def install_exlq_kernels() -> None:
+    from worker.kernels.paged_attention import HAS_TRITON, paged_attention_with_kvcache
+
+    if not HAS_TRITON:
+        raise EngineUnavailable(
+            "--attention exlq needs triton (it ships with CUDA builds of torch)"
+        )
+    attn: Any = importlib.import_module("exllamav2.attn")
+    check_hook_points(attn)
+    attn.flash_attn_with_kvcache = paged_attention_with_kvcache
+    for flag in HOOKED_FLAGS:
+        setattr(attn, flag, True)
 
 
 def install_attention(choice: AttentionChoice) -> str:
-    """Returns the backend in use: 'flash-attn', 'exlq', or 'none' (unpaged, no batching)."""
+    """Set up the backend and return its name: 'flash-attn' or 'exlq'."""
     has_flash = flash_attn_available()
     if choice == "flash-attn" and not has_flash:
-        raise EngineUnavailable("--attention flash-attn, but flash-attn is not installed")
+        raise EngineUnavailable(
+            "--attention flash-attn, but flash-attn >= 2.5.7 is not installed; "
+            "use --attention exlq (or auto)"
+        )
     if has_flash and choice in ("auto", "flash-attn"):
-        log.info("attention: flash-attn")
+        log.info("attention: flash-attn (paged, batching on)")
         return "flash-attn"
-    if choice == "exlq":
-        raise EngineUnavailable("--attention exlq is not available in this build yet")
-    log.warning("attention: no flash-attn found; running unpaged")
-    return "none"
+    install_exlq_kernels()
+    log.info(
+        "attention: exlq Triton paged kernels (paged, batching on)%s",
+        "" if choice == "exlq" else "; flash-attn not found",
+    )
+    return "exlq"

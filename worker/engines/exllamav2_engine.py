@@ -84,11 +84,12 @@ class ExLlamaV2Engine(Engine):
         assert settings.model is not None
         self._torch = torch
         self.attention = attention
-        paged = attention != "none"
-        self.capacity = settings.max_batch_size if paged else 1
-        if not paged:
-            log.warning("no paged attention backend: batching is OFF, one job at a time")
+        self.capacity = settings.max_batch_size
         config = ExLlamaV2Config(str(settings.model))
+        # The generator asserts max_batch_size * max_q_size (8) <= this product.
+        config.max_batch_size = max(
+            config.max_batch_size, -(-self.capacity * 8 // config.max_input_len)
+        )
         cache_tokens = max(PAGE_TOKENS, settings.cache_tokens // PAGE_TOKENS * PAGE_TOKENS)
         self.model = ExLlamaV2(config)
         self.cache = ExLlamaV2Cache(self.model, max_seq_len=cache_tokens, lazy=True)
@@ -100,8 +101,8 @@ class ExLlamaV2Engine(Engine):
             cache=self.cache,
             tokenizer=self.tokenizer,
             max_batch_size=self.capacity,
-            max_chunk_size=chunk // PAGE_TOKENS * PAGE_TOKENS if paged else chunk,
-            paged=paged,
+            max_chunk_size=max(PAGE_TOKENS, chunk // PAGE_TOKENS * PAGE_TOKENS),
+            paged=True,
         )
         self.generator.warmup()
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)

@@ -1,0 +1,137 @@
+"""Where one generator iteration's time goes, at a given number of jobs: wall time per
+decode step, the Python functions that cost it (cProfile), and the GPU time (torch profiler).
+
+    python -m bench.profile_step --model DIR --jobs 1,64 --cache-tokens 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.baselines import random_prompt_ids
+
+
+def build(model_dir: str, jobs: int, cache_tokens: int, chunk: int) -> Any:
+    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+    from worker.engines.exllamav2_attention import install_attention
+
+    install_attention("exlq")
+    config = ExLlamaV2Config(model_dir)
+    config.max_batch_size = max(config.max_batch_size, -(-jobs * 8 // config.max_input_len))
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
+    model.load_autosplit(cache, progress=False)
+    generator = ExLlamaV2DynamicGenerator(
+        model=model,
+        cache=cache,
+        tokenizer=ExLlamaV2Tokenizer(config),
+        max_batch_size=jobs,
+        max_chunk_size=chunk,
+    )
+    generator.warmup()
+    return model, generator
+
+
+def fill(
+    generator: Any, model_dir: str, jobs: int, prompt_tokens: int, max_new_tokens: int
+) -> None:
+    import torch
+    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    for j, ids in enumerate(random_prompt_ids(model_dir, jobs, prompt_tokens, 0)):
+        generator.enqueue(
+            ExLlamaV2DynamicJob(
+                input_ids=torch.tensor([ids]),
+                max_new_tokens=100_000,
+                stop_conditions=[],
+                gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                identifier=j,
+            )
+        )
+    # Run through prefill into steady decode.
+    while any(not job.is_prefill_done() for job in generator.active_jobs) or generator.pending_jobs:
+        generator.iterate()
+    for _ in range(5):
+        generator.iterate()
+
+
+def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    model, generator = build(model_dir, jobs, args.cache_tokens, args.chunk)
+    fill(generator, model_dir, jobs, args.prompt_tokens, args.max_new_tokens)
+    walls = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        generator.iterate()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - started) * 1000)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        generator.iterate()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(5):
+            generator.iterate()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) / 5
+    table = events.table(sort_by="self_device_time_total", row_limit=15)
+    cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=15)
+    generator.clear_queue()
+    model.unload()
+    del generator, model
+    torch.cuda.empty_cache()
+    return {
+        "jobs": jobs,
+        "cache_tokens": args.cache_tokens,
+        "step_ms_median": statistics.median(walls),
+        "gpu_ms_per_step": gpu_us / 1000,
+        "python_top": text.getvalue(),
+        "gpu_top": table,
+        "cpu_top": cpu_table,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--jobs", default="1,64")
+    ap.add_argument("--cache-tokens", type=int, default=16384)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    results = [profile(args.model, int(n), args) for n in args.jobs.split(",")]
+    for r in results:
+        print(
+            f"== {r['jobs']} jobs, cache {r['cache_tokens']}: {r['step_ms_median']:.2f} ms/step "
+            f"wall, {r['gpu_ms_per_step']:.2f} ms GPU"
+        )
+        print(r["python_top"][:6000])
+        print(r["gpu_top"])
+        print(r["cpu_top"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
