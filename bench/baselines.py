@@ -279,6 +279,7 @@ def _exl_load(
     cache_tokens: int,
     paged: bool,
     max_chunk_size: int | None,
+    sampling_threads: int = 16,
 ) -> tuple[Any, Any, Any]:
     """Model (lazy, then load_autosplit with its cache), cache of cache_tokens, generator."""
     exl = importlib.import_module("exllamav2")
@@ -299,6 +300,7 @@ def _exl_load(
         max_batch_size=concurrency,
         max_chunk_size=max_chunk_size,
         paged=paged,
+        max_sampling_threads=sampling_threads,
     )
     return model, cache, generator
 
@@ -325,6 +327,8 @@ def bench_exllamav2_dynamic(
     seed: int = 0,
     warmup: bool = True,
     attn_patch: Callable[[], object] | None = None,
+    max_batch_size: int | None = None,
+    sampling_threads: int = 16,
 ) -> dict[str, Any]:
     """N jobs enqueued at once into ExLlamaV2DynamicGenerator; greedy; no stop conditions (no EOS).
 
@@ -347,7 +351,12 @@ def bench_exllamav2_dynamic(
         _cuda_reset_peak()
         t_load = time.perf_counter()
         model, cache, generator = _exl_load(
-            model_dir, concurrency, cache_tokens, paged, max_chunk_size
+            model_dir,
+            max_batch_size or concurrency,
+            cache_tokens,
+            paged,
+            max_chunk_size,
+            sampling_threads,
         )
         load_s = time.perf_counter() - t_load
         if warmup:
@@ -412,6 +421,8 @@ def bench_exllamav2_dynamic(
         out.update(
             {
                 "cache_tokens": cache_tokens,
+                "max_batch_size": max_batch_size or concurrency,
+                "sampling_threads": sampling_threads,
                 "paged": paged,
                 "load_s": load_s,
                 "peak_gpu_mem_bytes": peak,

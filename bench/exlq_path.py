@@ -139,6 +139,7 @@ def bench_exlq(
     cache_tokens: int = 65536,
     max_batch_size: int | None = None,
     attention: str = "auto",
+    sampling_threads: int = 1,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One worker (max_batch_size = the largest concurrency unless given) serves every point."""
@@ -153,6 +154,7 @@ def bench_exlq(
                 "--max-batch-size": str(batch),
                 "--cache-tokens": str(cache_tokens),
                 "--attention": attention,
+                "--sampling-threads": str(sampling_threads),
             },
         )
         try:

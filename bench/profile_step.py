@@ -19,7 +19,7 @@ from typing import Any
 from bench.baselines import random_prompt_ids
 
 
-def build(model_dir: str, jobs: int, cache_tokens: int, chunk: int) -> Any:
+def build(model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int) -> Any:
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exllamav2.generator import ExLlamaV2DynamicGenerator
 
@@ -37,6 +37,7 @@ def build(model_dir: str, jobs: int, cache_tokens: int, chunk: int) -> Any:
         tokenizer=ExLlamaV2Tokenizer(config),
         max_batch_size=jobs,
         max_chunk_size=chunk,
+        max_sampling_threads=threads,
     )
     generator.warmup()
     return model, generator
@@ -52,7 +53,7 @@ def fill(
         generator.enqueue(
             ExLlamaV2DynamicJob(
                 input_ids=torch.tensor([ids]),
-                max_new_tokens=100_000,
+                max_new_tokens=max_new_tokens,
                 stop_conditions=[],
                 gen_settings=ExLlamaV2Sampler.Settings.greedy(),
                 identifier=j,
@@ -68,7 +69,7 @@ def fill(
 def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    model, generator = build(model_dir, jobs, args.cache_tokens, args.chunk)
+    model, generator = build(model_dir, jobs, args.cache_tokens, args.chunk, args.sampling_threads)
     fill(generator, model_dir, jobs, args.prompt_tokens, args.max_new_tokens)
     walls = []
     for _ in range(args.steps):
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--sampling-threads", type=int, default=16, help="exllamav2's default: 16")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

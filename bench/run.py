@@ -84,6 +84,8 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
                     n,
                     cache_tokens=args.cache_tokens,
                     attn_patch=exlq_attention_patch,
+                    max_batch_size=max(args.concurrency),
+                    sampling_threads=args.sampling_threads,
                     **point,
                 )
             )
@@ -92,7 +94,12 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
         "b": lambda: [
             record(r)
             for r in bench_exlq(
-                model, args.concurrency, cache_tokens=args.cache_tokens, attention="exlq", **point
+                model,
+                args.concurrency,
+                cache_tokens=args.cache_tokens,
+                attention="exlq",
+                sampling_threads=args.sampling_threads,
+                **point,
             )
         ],
         "c": lambda: [
@@ -193,7 +200,8 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--cache-tokens", type=int, default=65536)
-    ap.add_argument("--ws-window-s", type=float, default=30.0)
+    ap.add_argument("--ws-window-s", type=float, default=20.0)
+    ap.add_argument("--sampling-threads", type=int, default=1, help="for (a) and (b) alike")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from producer.keys import QueueKeys
 from worker.broker import Broker
 from worker.embedded_redis import RedisServer
+from worker.engine_loop import EngineLoop
 from worker.engines.base import Engine
 from worker.engines.echo import EchoEngine
 from worker.metrics import Metrics
@@ -101,7 +102,7 @@ async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callabl
             dead_max_len=settings.dead_stream_max_len,
         )
         metrics = Metrics(settings.queue_name)
-        worker = Worker(settings, engine, broker, metrics)
+        worker = Worker(settings, EngineLoop(engine), broker, metrics)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         running = RunningWorker(worker, stop, task, metrics)

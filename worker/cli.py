@@ -28,6 +28,10 @@ Grace = Annotated[
 EchoRate = Annotated[
     float | None, typer.Option("--echo-tokens-per-second", help="echo engine tokens/s per job")
 ]
+SamplingThreads = Annotated[
+    int | None, typer.Option("--sampling-threads", help="exllamav2 sampling threads")
+]
+Runner = Annotated[str | None, typer.Option("--engine-runner", help="process (default) or thread")]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
 
 
@@ -57,6 +61,8 @@ def worker(
     metrics_port: MetricsPort = None,
     grace_seconds: Grace = None,
     echo_tokens_per_second: EchoRate = None,
+    engine_runner: Runner = None,
+    sampling_threads: SamplingThreads = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve a queue from a running Redis (EXLQ_* variables work too)."""
@@ -74,6 +80,8 @@ def worker(
         metrics_port=metrics_port,
         grace_seconds=grace_seconds,
         echo_tokens_per_second=echo_tokens_per_second,
+        engine_runner=engine_runner,
+        sampling_threads=sampling_threads,
         log_level=log_level,
     )
     raise typer.Exit(run_worker(settings))

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from producer.protocol import GenerationRequest, InvalidRequest
 from worker.engines.base import CacheUsage, Engine, EngineDead, EngineOutput, JobErrored
@@ -45,18 +46,47 @@ class StepReport:
     fatal: str | None = None
 
 
-class EngineLoop:
-    """Owns the engine. Commands come in through a queue; reports go out through a callback
-    that must be thread-safe (the runner passes ``loop.call_soon_threadsafe`` wrapped)."""
+ReportSink = Callable[[StepReport], None]
 
-    def __init__(self, engine: Engine, report: Callable[[StepReport], None]) -> None:
+
+class EngineRunner(Protocol):
+    """What the worker drives: an engine on a thread (EngineLoop) or in a process of its own
+    (worker.engine_process.EngineProcess). ``report`` is called from another thread."""
+
+    name: str
+    capacity: int
+    attention: str
+
+    def start(self, report: ReportSink) -> None: ...
+
+    def add(self, job_id: str, request: GenerationRequest) -> None: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def stop(self, timeout: float | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineLoop:
+    """Runs an engine on a thread of its own. Commands come in through a queue; each pass's
+    outputs go out through ``report``, which must be thread-safe."""
+
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._report = report
+        self.name = engine.name
+        self.capacity = engine.capacity
+        self.attention = engine.attention
+        self._report: ReportSink = _no_sink
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
 
-    def start(self) -> None:
+    def start(self, report: ReportSink) -> None:
+        self._report = report
         self._thread.start()
+
+    def close(self) -> None:
+        self.engine.close()
 
     def add(self, job_id: str, request: GenerationRequest) -> None:
         self._commands.put(_Add(job_id, request))
@@ -138,6 +168,10 @@ class EngineLoop:
                 JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
             )
         return time.perf_counter() - started
+
+
+def _no_sink(report: StepReport) -> None:
+    raise RuntimeError("EngineLoop.start() was not called")
 
 
 def _describe(exc: BaseException) -> str:

@@ -12,8 +12,9 @@ from redis.exceptions import RedisError
 
 from producer.keys import QueueKeys
 from worker.broker import Broker
+from worker.engine_loop import EngineLoop, EngineRunner
+from worker.engine_process import EngineProcess
 from worker.engines import EngineUnavailable, build_engine
-from worker.engines.base import Engine
 from worker.http_server import HealthServer
 from worker.metrics import Metrics
 from worker.runner import Worker
@@ -68,7 +69,7 @@ async def serve(settings: WorkerSettings) -> int:
     try:
         await _check_redis(broker, settings.redis_url)
         try:
-            engine = await asyncio.to_thread(build_engine, settings)
+            engine = await asyncio.to_thread(load_engine, settings)
         except EngineUnavailable as exc:
             raise StartupError(str(exc)) from None
         try:
@@ -77,6 +78,15 @@ async def serve(settings: WorkerSettings) -> int:
             engine.close()
     finally:
         await broker.close()
+
+
+def load_engine(settings: WorkerSettings) -> EngineRunner:
+    """The engine, loaded, on the runner the settings ask for."""
+    if settings.engine_runner == "process":
+        process = EngineProcess(settings)
+        process.load()
+        return process
+    return EngineLoop(build_engine(settings))
 
 
 async def _check_redis(broker: Broker, url: str) -> None:
@@ -89,7 +99,7 @@ async def _check_redis(broker: Broker, url: str) -> None:
         ) from None
 
 
-async def _serve_with(settings: WorkerSettings, engine: Engine, broker: Broker) -> int:
+async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Broker) -> int:
     metrics = Metrics(settings.queue_name)
     metrics.info(
         package_version(),

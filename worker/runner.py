@@ -22,8 +22,8 @@ from producer.protocol import (
     parse_request,
 )
 from worker.broker import Batch, Broker, StartDecision, StreamEntry
-from worker.engine_loop import EngineLoop, StepReport
-from worker.engines.base import Engine, EngineOutput, JobEnded, JobErrored, TokenChunk
+from worker.engine_loop import EngineRunner, StepReport
+from worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
 from worker.metrics import Metrics
 from worker.running_job import RunningJob
 from worker.settings import WorkerSettings
@@ -47,7 +47,7 @@ class Worker:
     slots, so the backlog stays in Redis where other workers see it."""
 
     def __init__(
-        self, settings: WorkerSettings, engine: Engine, broker: Broker, metrics: Metrics
+        self, settings: WorkerSettings, engine: EngineRunner, broker: Broker, metrics: Metrics
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -63,7 +63,6 @@ class Worker:
         self._engine_dead = asyncio.Event()
         self._redis_ok = False
         self._clock_offset_s = 0.0
-        self._engine_loop: EngineLoop | None = None
 
     @property
     def ready(self) -> bool:
@@ -80,8 +79,7 @@ class Worker:
         def hand_over(report: StepReport) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(self._reports.put_nowait, report)
 
-        self._engine_loop = EngineLoop(self.engine, hand_over)
-        self._engine_loop.start()
+        self.engine.start(hand_over)
         self.metrics.set_capacity(self.capacity)
         reader = asyncio.create_task(self._read_loop(), name="exlq-reader")
         helpers = [
@@ -118,8 +116,7 @@ class Worker:
                 await asyncio.wait_for(self._drained(), self.settings.grace_seconds)
         if self.held:
             log.warning("leaving %d unfinished jobs pending for another worker", len(self.held))
-        assert self._engine_loop is not None
-        await asyncio.to_thread(self._engine_loop.stop, 10.0)
+        await asyncio.to_thread(self.engine.stop, 30.0)
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
@@ -203,8 +200,7 @@ class Worker:
             return
         self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
         self.held[job.job_id] = job
-        assert self._engine_loop is not None
-        self._engine_loop.add(job.job_id, job.request)
+        self.engine.add(job.job_id, job.request)
 
     def _reject(self, batch: Batch, entry: StreamEntry, message: str) -> None:
         """An entry that can never run: error event and failed result where it has a usable
@@ -339,11 +335,10 @@ class Worker:
         await _forever(self._listen_for_cancels, "cancel listener", self._set_redis_ok)
 
     async def _listen_for_cancels(self) -> None:
-        assert self._engine_loop is not None
         async for job_id in self.broker.cancel_requests():
             if job_id in self.held:
                 log.info("cancelling job %s", job_id)
-                self._engine_loop.cancel(job_id)
+                self.engine.cancel(job_id)
 
     async def _housekeeping_loop(self) -> None:
         next_heartbeat = 0.0
@@ -363,12 +358,11 @@ class Worker:
             await asyncio.sleep(_HOUSEKEEPING_S)
 
     def _expire_overdue(self, now: float) -> None:
-        assert self._engine_loop is not None
         for job in self.held.values():
             deadline = job.request.deadline
             if deadline is not None and deadline <= now and job.stop_reason is None:
                 job.stop_reason = "expired"
-                self._engine_loop.cancel(job.job_id)
+                self.engine.cancel(job.job_id)
 
     def _heartbeat_info(self) -> dict[str, object]:
         return {

@@ -14,6 +14,7 @@ from producer.keys import DEFAULT_PREFIX, check_name
 
 EngineName = Literal["exllamav2", "echo"]
 AttentionChoice = Literal["auto", "flash-attn", "exlq"]
+EngineRunnerChoice = Literal["process", "thread"]
 
 
 def default_consumer_name() -> str:
@@ -37,6 +38,12 @@ class WorkerSettings(BaseSettings):
     cache_tokens: int = Field(65_536, ge=256, description="KV cache size in tokens")
     max_chunk_size: int = Field(2048, ge=64, description="prefill tokens per iteration")
     attention: AttentionChoice = "auto"
+    engine_runner: EngineRunnerChoice = Field(
+        "process", description="run the engine in a process of its own, or on a thread"
+    )
+    sampling_threads: int = Field(
+        1, ge=1, le=64, description="exllamav2 sampling threads; 1 measured fastest"
+    )
 
     echo_tokens_per_second: float = Field(50.0, gt=0, description="echo engine speed per job")
 

@@ -43,8 +43,8 @@ def _collect(
 
 def test_refused_and_failed_jobs_error_while_others_finish() -> None:
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
-    loop = EngineLoop(FlakyEngine(), reports.put)
-    loop.start()
+    loop = EngineLoop(FlakyEngine())
+    loop.start(reports.put)
     loop.add("a", GenerationRequest(prompt="refuse", max_new_tokens=3))
     ended = _collect(loop, reports, 1)
     assert ended == [JobErrored("a", "invalid_request", "prompt too long for this model")]
@@ -61,8 +61,8 @@ def test_refused_and_failed_jobs_error_while_others_finish() -> None:
 
 def test_cancel_ends_a_job_at_once() -> None:
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
-    loop = EngineLoop(EchoEngine(2, 50), reports.put)
-    loop.start()
+    loop = EngineLoop(EchoEngine(2, 50))
+    loop.start(reports.put)
     loop.add("long", GenerationRequest(prompt="x", max_new_tokens=10_000))
     reports.get(timeout=5)
     loop.cancel("long")
@@ -83,8 +83,8 @@ class DeadEngine(EchoEngine):
 def test_dead_engine_is_reported_as_fatal() -> None:
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
     done = threading.Event()
-    loop = EngineLoop(DeadEngine(1, 100), lambda r: (reports.put(r), done.set()))
-    loop.start()
+    loop = EngineLoop(DeadEngine(1, 100))
+    loop.start(lambda r: (reports.put(r), done.set()))
     loop.add("x", GenerationRequest(prompt="x", max_new_tokens=3))
     report = reports.get(timeout=5)
     assert report.fatal == "CUDA context is lost"

@@ -103,6 +103,7 @@ class ExLlamaV2Engine(Engine):
             max_batch_size=self.capacity,
             max_chunk_size=max(PAGE_TOKENS, chunk // PAGE_TOKENS * PAGE_TOKENS),
             paged=True,
+            max_sampling_threads=settings.sampling_threads,
         )
         self.generator.warmup()
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)

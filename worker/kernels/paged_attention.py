@@ -40,10 +40,13 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 # Rows (q_len * group) up to which a call is treated as decode: small query tile, long key blocks.
 _DECODE_ROWS = 64
-# Fewest keys worth a split-K program of their own (decode / prefill tiles): below this the merge
-# costs more than the extra parallelism buys. Prefill tiles already carry BLOCK_M rows of work.
-_MIN_SPLIT_KEYS_DECODE = 256
-_MIN_SPLIT_KEYS_PREFILL = 512
+# Fewest keys worth a split-K program of their own. exllamav2 calls this once per layer per
+# step and its steps are bound by host time: the merge launch costs about 50 us of host time,
+# more than splitting saves on the GPU below several thousand keys (H200, bench/
+# attention_bench.py: batch 1, 384 keys: 0.055 ms GPU and 45 us host in one launch, 0.092 ms
+# and 109 us split in two). So split only long contexts.
+_MIN_SPLIT_KEYS_DECODE = 4096
+_MIN_SPLIT_KEYS_PREFILL = 4096
 _MAX_SPLITS = 64
 # Split until about this many programs per SM are in flight.
 _PROGRAMS_PER_SM = 2

@@ -1,0 +1,163 @@
+"""EngineProcess: the engine in a process of its own, so its Python never holds the GIL that
+the worker's Redis I/O needs. Same interface as EngineLoop; reports come back over a pipe."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from producer.protocol import GenerationRequest
+from worker.engine_loop import EngineLoop, ReportSink, StepReport
+from worker.engines.base import CacheUsage, EngineUnavailable
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 1800.0
+
+
+class EngineProcess:
+    """Loads the engine in a spawned child (CUDA needs spawn, not fork) and relays to it."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.name: str = settings.engine
+        self.capacity = 0
+        self.attention = "none"
+        context = multiprocessing.get_context("spawn")
+        # Pipe(duplex=False) returns (reader, writer).
+        self._child_commands, self._commands = context.Pipe(duplex=False)
+        self._reports, self._child_reports = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_child_main,
+            args=(settings, self._child_commands, self._child_reports),
+            name="exlq-engine",
+            daemon=True,
+        )
+        self._reader: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+
+    def load(self, timeout_s: float = LOAD_TIMEOUT_S) -> None:
+        """Start the child and wait until its engine is loaded; EngineUnavailable if it cannot."""
+        self._process.start()
+        # Drop our copies of the child's ends, so a dead child reads as EOF here.
+        self._child_commands.close()
+        self._child_reports.close()
+        if not self._reports.poll(timeout_s):
+            self.close()
+            raise EngineUnavailable(f"the engine did not load within {timeout_s:.0f}s")
+        try:
+            kind, payload = self._reports.recv()
+        except EOFError:
+            self.close()
+            raise EngineUnavailable(
+                f"the engine process exited while loading (code {self._process.exitcode})"
+            ) from None
+        if kind != "ready":
+            self.close()
+            raise EngineUnavailable(str(payload))
+        self.name, self.capacity, self.attention = payload
+
+    def start(self, report: ReportSink) -> None:
+        self._reader = threading.Thread(
+            target=self._relay, args=(report,), name="exlq-engine-reports", daemon=True
+        )
+        self._reader.start()
+
+    def _relay(self, report: ReportSink) -> None:
+        while True:
+            try:
+                kind, payload = self._reports.recv()
+            except (EOFError, OSError):
+                code = self._process.exitcode
+                report(
+                    StepReport(
+                        [],
+                        None,
+                        0,
+                        CacheUsage(0, 0),
+                        fatal=f"the engine process ended (exit code {code})",
+                    )
+                )
+                return
+            if kind == "report":
+                report(payload)
+            elif kind == "stopped":
+                return
+
+    def add(self, job_id: str, request: GenerationRequest) -> None:
+        self._send(("add", job_id, request))
+
+    def cancel(self, job_id: str) -> None:
+        self._send(("cancel", job_id))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock, contextlib.suppress(OSError):
+            self._commands.send(message)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._send(("stop",))
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._process.join(timeout)
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._commands.close()
+        self._reports.close()
+
+
+def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from worker.engines import build_engine
+
+    try:
+        engine = build_engine(settings)
+    except EngineUnavailable as exc:
+        reports.send(("unavailable", str(exc)))
+        return
+    except Exception as exc:
+        log.exception("engine failed to load")
+        reports.send(("unavailable", f"the engine failed to load: {type(exc).__name__}: {exc}"))
+        return
+    reports.send(("ready", (engine.name, engine.capacity, engine.attention)))
+    loop = EngineLoop(engine)
+    send_lock = threading.Lock()
+
+    def send_report(report: StepReport) -> None:
+        with send_lock:
+            reports.send(("report", report))
+
+    loop.start(send_report)
+    try:
+        _serve_commands(loop, commands)
+    finally:
+        loop.stop(30)
+        engine.close()
+        with send_lock, contextlib.suppress(OSError):
+            reports.send(("stopped", None))
+
+
+def _serve_commands(loop: EngineLoop, commands: Connection) -> None:
+    while True:
+        try:
+            message = commands.recv()
+        except EOFError:  # the worker is gone: nothing will read what we make
+            return
+        if message[0] == "add":
+            loop.add(message[1], message[2])
+        elif message[0] == "cancel":
+            loop.cancel(message[1])
+        elif message[0] == "stop":
+            return
