@@ -215,14 +215,22 @@ class AsyncProducer:
         prefix: str = DEFAULT_PREFIX,
         max_backlog: int = 0,
         state_ttl_s: int = DEFAULT_STATE_TTL_S,
+        max_connections: int = 32,
         client: aioredis.Redis | None = None,
     ) -> None:
         self.keys = QueueKeys(queue=queue, prefix=prefix)
         self.max_backlog = max_backlog
         self.state_ttl_s = state_ttl_s
-        self._redis = client if client is not None else aioredis.Redis.from_url(redis_url)
         self._owns_client = client is None
-        self._router = EventRouter(self._redis)
+        if client is None:
+            # A blocking pool: a burst of submits waits for a free connection instead of
+            # failing with "Too many connections". One connection is the event router's.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                redis_url, max_connections=max(max_connections, 2), timeout=None
+            )
+            client = aioredis.Redis(connection_pool=pool)
+        self._redis = client
+        self._router = EventRouter(client)
         self._submit_script = self._redis.register_script(_SUBMIT_LUA)
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
 
@@ -235,7 +243,7 @@ class AsyncProducer:
     async def close(self) -> None:
         await self._router.close()
         if self._owns_client:
-            await self._redis.aclose()
+            await self._redis.aclose(close_connection_pool=True)
 
     async def submit(
         self, prompt: str | None = None, *, request: GenerationRequest | None = None, **fields: Any

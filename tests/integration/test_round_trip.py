@@ -91,3 +91,15 @@ async def test_stop_string_ends_the_job_without_the_stop_text(
         result = await handle.result(timeout=10)
     assert result.text == " a b "
     assert result.finish_reason == "stop"
+
+
+async def test_a_burst_of_concurrent_submits_waits_for_connections(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    await start_worker(max_batch_size=64, echo_tokens_per_second=2000.0)
+    async with AsyncProducer(redis_url, queue=queue_name, max_connections=8) as producer:
+        handles = await asyncio.gather(
+            *(producer.submit(f"burst {i}", max_new_tokens=2) for i in range(300))
+        )
+        results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
+    assert [r.text for r in results] == [f" burst {i}" for i in range(300)]
