@@ -361,17 +361,18 @@ def bench_exllamav2_dynamic(
         load_s = time.perf_counter() - t_load
         if warmup:
             generator.warmup()
-            # One short job first, so kernel compilation stays out of the timed run.
+            # As many short jobs as the run has, on other prompts: every kernel variant the
+            # run needs compiles here, and the prefix cache learns nothing of the real prompts.
             generator.enqueue(
-                exl_gen.ExLlamaV2DynamicJob(
-                    input_ids=torch.tensor(
-                        random_prompt_ids(model_dir, 1, prompt_tokens, seed + 1000),
-                        dtype=torch.long,
-                    ),
-                    max_new_tokens=4,
-                    stop_conditions=[],
-                    gen_settings=exl_gen.ExLlamaV2Sampler.Settings.greedy(),
-                )
+                [
+                    exl_gen.ExLlamaV2DynamicJob(
+                        input_ids=torch.tensor([ids], dtype=torch.long),
+                        max_new_tokens=8,
+                        stop_conditions=[],
+                        gen_settings=exl_gen.ExLlamaV2Sampler.Settings.greedy(),
+                    )
+                    for ids in random_prompt_ids(model_dir, concurrency, prompt_tokens, seed + 1000)
+                ]
             )
             while generator.num_remaining_jobs():
                 generator.iterate()

@@ -136,7 +136,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"GPU: {meta['gpu']}, measured copy bandwidth {meta['bandwidth_tb_s']:.2f} TB/s; "
         f"{meta['date']}; prompt {meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new "
-        f"tokens, EOS ignored, greedy; cache {meta['cache_tokens']} tokens.",
+        f"tokens, EOS ignored, greedy; cache {meta['cache_tokens']} tokens. ITL is per token "
+        "for the bare generator and transformers, per event as the client receives it for "
+        "exlq and the websocket server (a chunk of held-back tokens is one event).",
         f"Command: `{meta['command']}`",
         "",
     ]
