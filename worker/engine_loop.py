@@ -15,6 +15,8 @@ from worker.engines.base import CacheUsage, Engine, EngineDead, EngineOutput, Jo
 
 log = logging.getLogger(__name__)
 
+SLOW_STEP_S = 0.25
+
 
 @dataclass(frozen=True, slots=True)
 class _Add:
@@ -155,6 +157,7 @@ class EngineLoop:
         return True
 
     def _step(self, outputs: list[EngineOutput]) -> float:
+        jobs = self.engine.active_jobs
         started = time.perf_counter()
         try:
             outputs.extend(self.engine.step())
@@ -167,7 +170,11 @@ class EngineLoop:
             outputs.extend(
                 JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
             )
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if seconds > SLOW_STEP_S:
+            # Usually kernel compilation for a new shape, or many prefills in one iteration.
+            log.warning("engine step took %.0f ms with %d jobs", seconds * 1000, jobs)
+        return seconds
 
 
 def _no_sink(report: StepReport) -> None:
