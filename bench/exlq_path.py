@@ -148,6 +148,7 @@ def bench_exlq(
     max_batch_size: int | None = None,
     attention: str = "auto",
     sampling_threads: int = 1,
+    engine_runner: str = "process",
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One worker (max_batch_size = the largest concurrency unless given) serves every point."""
@@ -163,6 +164,7 @@ def bench_exlq(
                 "--cache-tokens": str(cache_tokens),
                 "--attention": attention,
                 "--sampling-threads": str(sampling_threads),
+                "--engine-runner": engine_runner,
             },
         )
         try:
@@ -180,7 +182,7 @@ def bench_exlq(
                 steps = worker.metric("exlq_engine_step_seconds_count") - steps_before
                 step_sum = worker.metric("exlq_engine_step_seconds_sum") - step_sum_before
                 out = _summarize(
-                    system="exlq",
+                    system="exlq" if engine_runner == "process" else f"exlq-{engine_runner}",
                     model_dir=model_dir,
                     concurrency=n,
                     prompt_tokens=prompt_tokens,

@@ -99,6 +99,7 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
                 cache_tokens=args.cache_tokens,
                 attention="exlq",
                 sampling_threads=args.sampling_threads,
+                engine_runner=args.engine_runner,
                 **point,
             )
         ],
@@ -204,6 +205,7 @@ def main() -> None:
     ap.add_argument("--cache-tokens", type=int, default=65536)
     ap.add_argument("--ws-window-s", type=float, default=20.0)
     ap.add_argument("--sampling-threads", type=int, default=1, help="for (a) and (b) alike")
+    ap.add_argument("--engine-runner", default="process", help="(b): process or thread")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()

@@ -280,7 +280,14 @@ if HAS_TRITON:
         tl.store(PART + n_all * D_POW2 + prow, m_i, mask=row_ok)
         tl.store(PART + n_all * (D_POW2 + 1) + prow, l_i, mask=row_ok)
 
-    @triton.jit
+    # exllamav2 hands in views whose base addresses and sizes vary from step to step (q, k, v
+    # slices, cache_seqlens, block tables that widen as sequences grow). Triton would compile a
+    # new variant for each alignment and each "== 1" / "% 16" class of those values: seen on
+    # an H200 as 0.3-1.1 s stalls mid-generation. One variant per shape instead.
+    @triton.jit(
+        do_not_specialize=["q_len", "bt_stride", "window_left", "window_right", "num_splits"],
+        do_not_specialize_on_alignment=["Q", "K_NEW", "V_NEW", "SEQLENS", "BLOCK_TABLE"],
+    )
     def _paged_attn_fwd(
         Q: tl.tensor,
         K_NEW: tl.tensor,
