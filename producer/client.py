@@ -93,6 +93,8 @@ class JobHandle:
         self._text: list[str] = []
         self._last_seq = -1
         self._attempt = 1
+        self._gap = False  # some events never arrived: the rest comes from the stored result
+        self._pending_end: Event | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,8 +113,31 @@ class JobHandle:
                 for event in await self._recover_from_result():
                     yield self._track(event)
                 continue
-            yield self._track(parse_event(raw))
+            accepted = self._accept(parse_event(raw))
+            if accepted is not None:
+                yield self._track(accepted)
+            elif self._gap and isinstance(self._pending_end, DoneEvent | ErrorEvent):
+                # Events were lost: finish from the stored result, written with the end.
+                for recovered in await self._recover_from_result(wait=True):
+                    yield self._track(recovered)
         await self._producer._release(self.id)
+
+    def _accept(self, event: Event) -> Event | None:
+        """The event to yield, or None: late events of an earlier attempt, duplicates, and
+        everything after a gap in seq (the subscriber was cut off) are held back."""
+        if event.attempt < self._attempt or (
+            event.attempt == self._attempt and event.seq <= self._last_seq
+        ):
+            return None
+        in_order = event.seq == self._last_seq + 1 or (
+            isinstance(event, RequeuedEvent) and event.attempt > self._attempt
+        )
+        if self._gap or not in_order:
+            self._gap = True
+            if isinstance(event, DoneEvent | ErrorEvent):
+                self._pending_end = event
+            return None
+        return event
 
     async def stream_text(self) -> AsyncIterator[str]:
         """Yield only the text. A retry that repeats the text already yielded is skipped;
@@ -163,9 +188,12 @@ class JobHandle:
         self._last_seq = event.seq
         return event
 
-    async def _recover_from_result(self) -> list[Event]:
+    async def _recover_from_result(self, wait: bool = False) -> list[Event]:
         """Rebuild the end of the stream from the stored result, if the job has ended."""
         stored = await self._producer.get_result(self.id)
+        while stored is None and wait:
+            await asyncio.sleep(0.05)
+            stored = await self._producer.get_result(self.id)
         if stored is None:
             return []
         received = "".join(self._text)

@@ -44,6 +44,11 @@ class QueueKeys:
         return f"{self.prefix}:{{{self.queue}}}"
 
     @property
+    def base(self) -> str:
+        """The prefix every key of the queue starts with, colon included."""
+        return f"{self._base}:"
+
+    @property
     def jobs(self) -> str:
         """Stream of job entries; field ``job`` holds the request JSON."""
         return f"{self._base}:jobs"

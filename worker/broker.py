@@ -13,6 +13,52 @@ from redis.exceptions import ResponseError
 
 from producer.keys import CONSUMER_GROUP, QueueKeys
 
+# One engine step's writes. KEYS: jobs stream, dead stream. ARGV: group, consumer, result
+# TTL, dead stream cap, key prefix of the queue ("exlq:{q}:"), the batch as JSON. Returns
+# the entries this worker no longer owns (their finals were not written).
+_COMMIT_LUA = """
+local batch = cjson.decode(ARGV[6])
+if batch.publish then
+  for _, p in ipairs(batch.publish) do redis.call('PUBLISH', p[1], p[2]) end
+end
+local lost = {}
+if not batch.finals then return lost end
+for _, f in ipairs(batch.finals) do
+  local owner = redis.call('XPENDING', KEYS[1], ARGV[1], f.entry, f.entry, 1)[1]
+  if owner == nil or owner[2] ~= ARGV[2] then
+    table.insert(lost, f.entry)
+  else
+    if f.result then
+      redis.call('SET', ARGV[5] .. 'result:' .. f.job, f.result, 'EX', ARGV[3])
+      local job = ARGV[5] .. 'job:' .. f.job
+      redis.call('HSET', job, 'state', f.state, 'worker', ARGV[2])
+      redis.call('EXPIRE', job, ARGV[3])
+    end
+    if f.dead then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(f.dead))
+    end
+    if f.event then redis.call('PUBLISH', f.channel, f.event) end
+    redis.call('XACK', KEYS[1], ARGV[1], f.entry)
+  end
+end
+return lost
+"""
+
+# Renew this worker's claim on entries it still owns (resets their idle time), and report
+# the ones another worker has taken: never take an entry back from its new owner.
+_RENEW_LUA = """
+local lost = {}
+for i = 3, #ARGV do
+  local owner = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
+  if owner ~= nil and owner[2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
 # Runs when a worker takes an entry: skip jobs that ended or were cancelled, count the
 # attempt and record who runs it, atomically so two entries of one id never both run.
 _START_LUA = """
@@ -51,32 +97,66 @@ class StartDecision:
         return int(self.detail) if self.verdict == "run" else 0
 
 
+@dataclass(frozen=True, slots=True)
+class Final:
+    """How one entry ends: its result, its last event, perhaps a dead-letter entry, the ack."""
+
+    entry_id: str
+    job_id: str | None = None
+    state: str | None = None
+    result_json: str | None = None
+    channel: str | None = None
+    event_json: str | None = None
+    dead: dict[str, str] | None = None
+
+
 @dataclass
 class Batch:
-    """Writes gathered from one or more engine steps, sent in one MULTI/EXEC.
+    """Writes gathered from one or more engine steps, sent in one atomic script call.
 
-    Order inside matters for at-least-once delivery: the result and the final event are
-    written before the entry is acknowledged, in the same transaction."""
+    Token events go out first, in order. Each final is written only if this worker still
+    owns the entry (a worker that lost its claim during an outage must not write a second
+    result), and its result, final event and ack are written together."""
 
     publishes: list[tuple[str, str]] = field(default_factory=list)
-    results: list[tuple[str, str, str, str]] = field(default_factory=list)
-    dead: list[dict[str, str]] = field(default_factory=list)
-    acks: list[str] = field(default_factory=list)
+    finals: list[Final] = field(default_factory=list)
 
     def publish(self, channel: str, event_json: str) -> None:
         self.publishes.append((channel, event_json))
 
-    def store_result(self, job_id: str, state: str, result_json: str, worker: str) -> None:
-        self.results.append((job_id, state, result_json, worker))
-
-    def dead_letter(self, fields: dict[str, str]) -> None:
-        self.dead.append(fields)
-
-    def ack(self, entry_id: str) -> None:
-        self.acks.append(entry_id)
+    def finish(self, final: Final) -> None:
+        self.finals.append(final)
 
     def __len__(self) -> int:
-        return len(self.publishes) + len(self.results) + len(self.dead) + len(self.acks)
+        return len(self.publishes) + len(self.finals)
+
+    def to_json(self) -> str:
+        # Absent, never null: cjson decodes null to a value Lua treats as true.
+        body: dict[str, Any] = {}
+        if self.publishes:
+            body["publish"] = [[channel, event] for channel, event in self.publishes]
+        if self.finals:
+            body["finals"] = [
+                {
+                    k: v
+                    for k, v in (
+                        ("entry", f.entry_id),
+                        ("job", f.job_id),
+                        ("state", f.state),
+                        ("result", f.result_json),
+                        ("channel", f.channel),
+                        ("event", f.event_json),
+                        ("dead", _flat(f.dead)),
+                    )
+                    if v is not None
+                }
+                for f in self.finals
+            ]
+        return json.dumps(body)
+
+
+def _flat(fields: dict[str, str] | None) -> list[str] | None:
+    return None if fields is None else [x for pair in fields.items() for x in pair]
 
 
 class Broker:
@@ -95,6 +175,8 @@ class Broker:
         self.result_ttl_s = result_ttl_s
         self.dead_max_len = dead_max_len
         self._start = client.register_script(_START_LUA)
+        self._commit = client.register_script(_COMMIT_LUA)
+        self._renew = client.register_script(_RENEW_LUA)
 
     @classmethod
     def from_url(cls, url: str, keys: QueueKeys, consumer: str, **options: Any) -> Broker:
@@ -147,19 +229,96 @@ class Broker:
         replies = await pipe.execute()
         return [StartDecision(verdict.decode(), detail.decode()) for verdict, detail in replies]
 
-    async def commit(self, batch: Batch) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        for job_id, state, result_json, worker in batch.results:
-            pipe.set(self.keys.result(job_id), result_json, ex=self.result_ttl_s)
-            pipe.hset(self.keys.job(job_id), mapping={"state": state, "worker": worker})
-            pipe.expire(self.keys.job(job_id), self.result_ttl_s)
-        for channel, event_json in batch.publishes:
-            pipe.publish(channel, event_json)
-        for fields in batch.dead:
-            pipe.xadd(self.keys.dead, fields, maxlen=self.dead_max_len, approximate=True)  # type: ignore[arg-type]
-        if batch.acks:
-            pipe.xack(self.keys.jobs, CONSUMER_GROUP, *batch.acks)
-        await pipe.execute()
+    async def commit(self, batch: Batch) -> list[str]:
+        """Write a batch atomically; returns the entries whose finals were not written
+        because another worker owns them now."""
+        lost = await self._commit(
+            keys=[self.keys.jobs, self.keys.dead],
+            args=[
+                CONSUMER_GROUP,
+                self.consumer,
+                self.result_ttl_s,
+                self.dead_max_len,
+                self.keys.base,
+                batch.to_json(),
+            ],
+        )
+        return [entry.decode() for entry in lost]
+
+    async def renew(self, entry_ids: list[str]) -> list[str]:
+        """Reset the idle time of entries this worker runs; returns those it lost."""
+        if not entry_ids:
+            return []
+        lost = await self._renew(
+            keys=[self.keys.jobs], args=[CONSUMER_GROUP, self.consumer, *entry_ids]
+        )
+        return [entry.decode() for entry in lost]
+
+    async def reclaim(self, count: int, min_idle_ms: int) -> list[StreamEntry]:
+        """Take over up to ``count`` entries whose owner stopped renewing them (XAUTOCLAIM
+        is one atomic command: no two workers take the same entry)."""
+        taken: list[StreamEntry] = []
+        cursor = "0-0"
+        while len(taken) < count:
+            reply = await self.client.xautoclaim(
+                self.keys.jobs,
+                CONSUMER_GROUP,
+                self.consumer,
+                min_idle_ms,
+                start_id=cursor,
+                count=count - len(taken),
+            )
+            cursor = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+            for item in reply[1]:
+                if item is None:  # deleted while pending (Redis 6.2 reports it so)
+                    continue
+                entry_id, fields = item[0], item[1]
+                payload = _field(fields, b"job") if fields else None
+                taken.append(StreamEntry(entry_id.decode(), payload))
+            if cursor == "0-0":
+                break
+        return taken
+
+    async def cancel_flags(self, job_ids: list[str]) -> list[str]:
+        """Which of these jobs a producer has asked to cancel (covers a missed pub/sub)."""
+        if not job_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.keys.job(job_id), "cancel")
+        flags = await pipe.execute()
+        return [job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag == b"1"]
+
+    async def trim(self) -> int:
+        """Drop stream entries that every consumer group has delivered and acknowledged;
+        returns how many. Never drops an entry some group has not finished."""
+        groups = await self.client.xinfo_groups(self.keys.jobs)
+        if not groups:
+            return 0
+        keep_from: list[tuple[int, int]] = []
+        for group in groups:
+            name = group["name"]
+            pending = await self.client.xpending(self.keys.jobs, name)
+            if pending["pending"]:
+                keep_from.append(_parse_id(pending["min"]))
+            else:
+                ms, seq = _parse_id(group["last-delivered-id"])
+                keep_from.append((ms, seq + 1))
+        ms, seq = min(keep_from)
+        if (ms, seq) <= (0, 1):
+            return 0
+        return int(await self.client.xtrim(self.keys.jobs, minid=f"{ms}-{seq}"))
+
+    async def forget_idle_consumers(self, idle_ms: int) -> int:
+        """Delete consumers of the group that hold nothing and were idle this long."""
+        consumers = await self.client.xinfo_consumers(self.keys.jobs, CONSUMER_GROUP)
+        gone = 0
+        for consumer in consumers:
+            name = consumer["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name != self.consumer and not consumer["pending"] and consumer["idle"] > idle_ms:
+                gone += await self.client.xgroup_delconsumer(self.keys.jobs, CONSUMER_GROUP, name)
+        return gone
 
     async def cancel_requests(self) -> AsyncIterator[str]:
         """Job ids as cancellation requests arrive on the queue's cancel channel."""
@@ -199,6 +358,24 @@ class Broker:
             consumername=self.consumer,
         )
         return len(reply)
+
+
+def _parse_id(raw: bytes | str) -> tuple[int, int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _field(fields: Any, name: bytes) -> bytes | None:
+    """A field of an entry, from the flat list XAUTOCLAIM returns or a dict."""
+    if isinstance(fields, dict):
+        value = fields.get(name)
+        return value if isinstance(value, bytes) else None
+    pairs = list(fields)
+    for key, value in zip(pairs[::2], pairs[1::2], strict=True):
+        if key == name:
+            return value if isinstance(value, bytes) else None
+    return None
 
 
 def _last_seen(raw: bytes) -> float:

@@ -17,13 +17,15 @@ from producer.protocol import (
     ErrorEvent,
     ErrorInfo,
     FinishReason,
+    GenerationRequest,
     InvalidRequest,
     JobResult,
     parse_request,
 )
-from worker.broker import Batch, Broker, StartDecision, StreamEntry
+from worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
 from worker.engine_loop import EngineRunner, StepReport
 from worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
+from worker.limits import RequestLimits
 from worker.metrics import Metrics
 from worker.running_job import RunningJob
 from worker.settings import WorkerSettings
@@ -32,14 +34,8 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
-_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 # Redis outages: retry forever, 0.1 s growing to 5 s, with jitter so workers do not stampede.
 REDIS_BACKOFF = wait_exponential_jitter(multiplier=0.1, max=5.0)
-_HOUSEKEEPING_S = 0.5
-
-
-def backoff(failures: int) -> float:
-    return _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
 
 
 class Worker:
@@ -53,30 +49,37 @@ class Worker:
         self.engine = engine
         self.broker = broker
         self.metrics = metrics
+        self.limits = RequestLimits.from_settings(settings)
         self.capacity = engine.capacity
         self.held: dict[str, RunningJob] = {}
         self.peak_held = 0
         self.exit_code = EXIT_OK
+        self.clock_offset_s = 0.0
         self._reports: asyncio.Queue[StepReport] = asyncio.Queue()
         self._slot_freed = asyncio.Event()
-        self._stop_reading = asyncio.Event()
+        self.stop_reading = asyncio.Event()
         self._engine_dead = asyncio.Event()
         self._redis_ok = False
-        self._clock_offset_s = 0.0
 
     @property
     def ready(self) -> bool:
-        return self._redis_ok and not self._stop_reading.is_set() and not self._engine_dead.is_set()
+        return self._redis_ok and not self.stop_reading.is_set() and not self._engine_dead.is_set()
+
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - len(self.held)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set, then drain within the grace period. Returns the exit
         code: 0 after a clean stop, EXIT_ENGINE_DEAD if the engine died."""
-        self._clock_offset_s = await self.broker.clock_offset_s()
+        from worker.upkeep import Upkeep
+
+        self.clock_offset_s = await self.broker.clock_offset_s()
         await self.broker.ensure_group()
-        self._set_redis_ok(True)
+        self.set_redis_ok(True)
         loop = asyncio.get_running_loop()
 
-        def hand_over(report: StepReport) -> None:  # called on the engine thread
+        def hand_over(report: StepReport) -> None:  # called on another thread
             loop.call_soon_threadsafe(self._reports.put_nowait, report)
 
         self.engine.start(hand_over)
@@ -85,7 +88,7 @@ class Worker:
         helpers = [
             asyncio.create_task(self._publish_loop(), name="exlq-publisher"),
             asyncio.create_task(self._cancel_loop(), name="exlq-cancels"),
-            asyncio.create_task(self._housekeeping_loop(), name="exlq-housekeeping"),
+            asyncio.create_task(Upkeep(self).run(), name="exlq-upkeep"),
         ]
         self._publish_ready()
         log.info(
@@ -102,7 +105,7 @@ class Worker:
     async def _shutdown(
         self, reader: asyncio.Task[None], helpers: list[asyncio.Task[None]]
     ) -> None:
-        self._stop_reading.set()
+        self.stop_reading.set()
         self._publish_ready()
         # Let an XREADGROUP in flight return: entries it brings are taken, not lost.
         await reader
@@ -132,40 +135,38 @@ class Worker:
 
     async def _read_loop(self) -> None:
         failures = 0
-        while not self._stop_reading.is_set():
-            free = self.capacity - len(self.held)
-            if free <= 0:
+        while not self.stop_reading.is_set():
+            if self.free_slots <= 0:
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
-                entries = await self.broker.read(free, self.settings.read_block_ms)
+                entries = await self.broker.read(self.free_slots, self.settings.read_block_ms)
                 if entries:
-                    await self._accept(entries)
+                    await self.accept(entries)
                 failures = 0
-                self._set_redis_ok(True)
+                self.set_redis_ok(True)
             except RedisError as exc:
-                self._set_redis_ok(False)
-                delay = backoff(failures)
+                self.set_redis_ok(False)
+                delay = backoff_s(failures)
                 failures += 1
                 log.warning("reading from Redis failed (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
 
-    async def _accept(self, entries: list[StreamEntry]) -> None:
+    async def accept(self, entries: list[StreamEntry]) -> None:
+        """Entries this worker now owns (read or reclaimed): reject, skip, end or run each."""
         batch = Batch()
-        runnable: list[tuple[StreamEntry, str]] = []
-        decoded = []
+        decoded: list[tuple[StreamEntry, GenerationRequest]] = []
         for entry in entries:
             self.metrics.job_received()
             try:
-                request = parse_request(entry.payload or b"")
+                decoded.append((entry, self._decode(entry)))
             except InvalidRequest as exc:
                 self._reject(batch, entry, str(exc))
-                continue
-            decoded.append((entry, request))
-            runnable.append((entry, request.id))
-        decisions = await self.broker.start_jobs([(job_id, e.entry_id) for e, job_id in runnable])
+        decisions = await self.broker.start_jobs(
+            [(request.id, entry.entry_id) for entry, request in decoded]
+        )
         now = time.time()
         for (entry, request), decision in zip(decoded, decisions, strict=True):
             job = RunningJob(
@@ -174,13 +175,21 @@ class Worker:
                 request=request,
                 attempt=max(decision.attempt, 1),
                 channel=self.broker.keys.events(request.id),
-                enqueued_at=entry.enqueued_at_server - self._clock_offset_s,
+                enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
                 started_at=now,
             )
             self._start(batch, job, decision, now)
         self._note_held()
         if batch:
-            await self._commit(batch)
+            await self.commit(batch)
+
+    def _decode(self, entry: StreamEntry) -> GenerationRequest:
+        if entry.payload is None:
+            raise InvalidRequest("request: the stream entry has no 'job' field")
+        self.limits.check_size(entry.payload)
+        request = parse_request(entry.payload)
+        self.limits.check(request)
+        return request
 
     def _start(self, batch: Batch, job: RunningJob, decision: StartDecision, now: float) -> None:
         if decision.verdict in ("ended", "duplicate"):
@@ -191,7 +200,17 @@ class Worker:
                 decision.verdict,
                 decision.detail,
             )
-            batch.ack(job.entry_id)
+            batch.finish(Final(job.entry_id))
+            return
+        if job.attempt > 1:
+            batch.publish(job.channel, job.requeued_event("its previous worker stopped"))
+            self.metrics.job_requeued()
+        if job.attempt > self.settings.max_attempts:
+            message = (
+                f"gave up after {job.attempt - 1} attempts (EXLQ_MAX_ATTEMPTS="
+                f"{self.settings.max_attempts}); every worker that ran it stopped"
+            )
+            self._fail(batch, job, JobErrored(job.job_id, "too_many_attempts", message), now)
             return
         deadline = job.request.deadline
         if decision.verdict == "cancel" or (deadline is not None and deadline <= now):
@@ -208,30 +227,37 @@ class Worker:
         log.warning("rejecting entry %s: %s", entry.entry_id, message)
         job_id = _job_id_of(entry.payload)
         error = ErrorInfo(code="invalid_request", message=message)
+        final = Final(
+            entry.entry_id, dead=self._dead_fields(entry.entry_id, entry.payload, error, attempts=1)
+        )
         if job_id is not None:
-            event = ErrorEvent(id=job_id, seq=0, attempt=1, error=error)
-            result = JobResult(id=job_id, state="failed", error=error, attempts=1)
-            batch.publish(self.broker.keys.events(job_id), event.model_dump_json())
-            batch.store_result(job_id, "failed", result.model_dump_json(), self.broker.consumer)
-        self._dead_letter(batch, entry.entry_id, entry.payload, error, attempts=1)
-        batch.ack(entry.entry_id)
+            final = Final(
+                entry.entry_id,
+                job_id=job_id,
+                state="failed",
+                result_json=JobResult(
+                    id=job_id, state="failed", error=error, attempts=1
+                ).model_dump_json(),
+                channel=self.broker.keys.events(job_id),
+                event_json=ErrorEvent(id=job_id, seq=0, attempt=1, error=error).model_dump_json(),
+                dead=final.dead,
+            )
+        batch.finish(final)
         self.metrics.job_failed("invalid_request")
 
-    def _dead_letter(
-        self, batch: Batch, entry_id: str, payload: bytes | None, error: ErrorInfo, attempts: int
-    ) -> None:
-        batch.dead_letter(
-            {
-                "entry": entry_id,
-                "job": (payload or b"").decode(errors="replace"),
-                "error": error.code,
-                "message": error.message,
-                "attempts": str(attempts),
-                "worker": self.broker.consumer,
-                "failed_at": f"{time.time():.3f}",
-            }
-        )
+    def _dead_fields(
+        self, entry_id: str, payload: bytes | None, error: ErrorInfo, attempts: int
+    ) -> dict[str, str]:
         self.metrics.dead_lettered()
+        return {
+            "entry": entry_id,
+            "job": (payload or b"")[: self.limits.max_request_bytes].decode(errors="replace"),
+            "error": error.code,
+            "message": error.message,
+            "attempts": str(attempts),
+            "worker": self.broker.consumer,
+            "failed_at": f"{time.time():.3f}",
+        }
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -245,10 +271,10 @@ class Worker:
             for report in reports:
                 self._take_report(batch, report, ended)
             if batch:
-                await self._commit(batch)
-            for job_id in ended:
-                self.held.pop(job_id, None)
+                await self.commit(batch)
             if ended:
+                for job_id in ended:
+                    self.held.pop(job_id, None)
                 self._slot_freed.set()
                 self._note_held()
 
@@ -266,9 +292,11 @@ class Worker:
             if job is None:
                 log.error("engine output for unknown job %s dropped", output.job_id)
                 continue
-            self._take_output(batch, job, output, report.finished_at)
             if not isinstance(output, TokenChunk):
                 ended.append(job.job_id)
+            if job.lost:
+                continue  # another worker owns it now; it writes the result
+            self._take_output(batch, job, output, report.finished_at)
 
     def _take_output(self, batch: Batch, job: RunningJob, output: EngineOutput, now: float) -> None:
         if isinstance(output, TokenChunk):
@@ -288,9 +316,16 @@ class Worker:
 
     def _finish(self, batch: Batch, job: RunningJob, ended: JobEnded, now: float) -> None:
         state, event_json, result_json = job.finish(ended, now)
-        batch.store_result(job.job_id, state, result_json, self.broker.consumer)
-        batch.publish(job.channel, event_json)
-        batch.ack(job.entry_id)
+        batch.finish(
+            Final(
+                job.entry_id,
+                job_id=job.job_id,
+                state=state,
+                result_json=result_json,
+                channel=job.channel,
+                event_json=event_json,
+            )
+        )
         self.metrics.job_completed(job.stop_reason or ended.finish_reason)
         self.metrics.observe_duration(now - job.enqueued_at)
         self.metrics.add_prompt_tokens(ended.prompt_tokens, ended.cached_tokens)
@@ -298,16 +333,24 @@ class Worker:
     def _fail(self, batch: Batch, job: RunningJob, errored: JobErrored, now: float) -> None:
         log.warning("job %s failed (%s): %s", job.job_id, errored.code, errored.message)
         event_json, result_json = job.fail(errored.code, errored.message, now)
-        batch.store_result(job.job_id, "failed", result_json, self.broker.consumer)
-        batch.publish(job.channel, event_json)
         error = ErrorInfo(code=errored.code, message=errored.message)
-        self._dead_letter(
-            batch, job.entry_id, job.request.model_dump_json().encode(), error, job.attempt
+        dead = self._dead_fields(
+            job.entry_id, job.request.model_dump_json().encode(), error, job.attempt
         )
-        batch.ack(job.entry_id)
+        batch.finish(
+            Final(
+                job.entry_id,
+                job_id=job.job_id,
+                state="failed",
+                result_json=result_json,
+                channel=job.channel,
+                event_json=event_json,
+                dead=dead,
+            )
+        )
         self.metrics.job_failed(errored.code)
 
-    async def _commit(self, batch: Batch) -> None:
+    async def commit(self, batch: Batch) -> None:
         """Write a batch, retrying through Redis outages: a lost batch would lose events."""
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(RedisError),
@@ -315,12 +358,14 @@ class Worker:
             before_sleep=self._on_redis_retry("writing to Redis"),
         ):
             with attempt:
-                await self.broker.commit(batch)
-        self._set_redis_ok(True)
+                lost = await self.broker.commit(batch)
+        self.set_redis_ok(True)
+        for entry_id in lost:
+            log.warning("entry %s was taken over by another worker; its result is theirs", entry_id)
 
     def _on_redis_retry(self, what: str) -> Callable[[RetryCallState], None]:
         def report(state: RetryCallState) -> None:
-            self._set_redis_ok(False)
+            self.set_redis_ok(False)
             delay = state.next_action.sleep if state.next_action else 0.0
             error = state.outcome.exception() if state.outcome else None
             log.warning(
@@ -329,49 +374,35 @@ class Worker:
 
         return report
 
-    # -- cancellation, deadlines, heartbeat ---------------------------------------------
+    # -- cancellation --------------------------------------------------------------------
 
     async def _cancel_loop(self) -> None:
-        await _forever(self._listen_for_cancels, "cancel listener", self._set_redis_ok)
+        await forever(self._listen_for_cancels, "cancel listener", self.set_redis_ok)
 
     async def _listen_for_cancels(self) -> None:
         async for job_id in self.broker.cancel_requests():
-            if job_id in self.held:
-                log.info("cancelling job %s", job_id)
-                self.engine.cancel(job_id)
+            self.cancel(job_id)
 
-    async def _housekeeping_loop(self) -> None:
-        next_heartbeat = 0.0
-        while True:
-            now = time.time()
-            self._expire_overdue(now)
-            if now >= next_heartbeat:
-                next_heartbeat = now + self.settings.heartbeat_seconds
-                try:
-                    await self.broker.heartbeat(
-                        self._heartbeat_info(), self.settings.heartbeat_seconds * 6
-                    )
-                    self._set_redis_ok(True)
-                except RedisError as exc:
-                    self._set_redis_ok(False)
-                    log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(_HOUSEKEEPING_S)
+    def cancel(self, job_id: str, reason: FinishReason | None = None) -> None:
+        """Stop a held job within one engine step."""
+        job = self.held.get(job_id)
+        if job is None or job.stopping:
+            return
+        log.info("stopping job %s (%s)", job_id, reason or "cancelled")
+        job.stopping = True
+        if reason is not None:
+            job.stop_reason = reason
+        self.engine.cancel(job_id)
 
-    def _expire_overdue(self, now: float) -> None:
-        for job in self.held.values():
-            deadline = job.request.deadline
-            if deadline is not None and deadline <= now and job.stop_reason is None:
-                job.stop_reason = "expired"
-                self.engine.cancel(job.job_id)
-
-    def _heartbeat_info(self) -> dict[str, object]:
-        return {
-            "engine": self.engine.name,
-            "model": self.settings.model.name if self.settings.model else None,
-            "capacity": self.capacity,
-            "load": len(self.held),
-            "ready": self.ready,
-        }
+    def drop_lost(self, entry_ids: list[str]) -> None:
+        """Another worker took these entries over (this one missed its renewals): stop
+        running them and write nothing for them."""
+        lost = set(entry_ids)
+        for job in list(self.held.values()):
+            if job.entry_id in lost and not job.lost:
+                log.warning("job %s was taken over by another worker; stopping it here", job.job_id)
+                job.lost = True
+                self.cancel(job.job_id)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -379,7 +410,7 @@ class Worker:
         self.peak_held = max(self.peak_held, len(self.held))
         self.metrics.set_running(len(self.held))
 
-    def _set_redis_ok(self, ok: bool) -> None:
+    def set_redis_ok(self, ok: bool) -> None:
         if ok != self._redis_ok:
             self._redis_ok = ok
             self._publish_ready()
@@ -394,8 +425,15 @@ def _job_id_of(payload: bytes | None) -> str | None:
     try:
         candidate = json.loads(payload or b"").get("id")
         return check_name("job id", candidate) if isinstance(candidate, str) else None
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
+
+
+_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+def backoff_s(failures: int) -> float:
+    return _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
 
 
 async def _first_of(*waits: Awaitable[object]) -> None:
@@ -407,7 +445,7 @@ async def _first_of(*waits: Awaitable[object]) -> None:
             task.cancel()
 
 
-async def _forever(
+async def forever(
     body: Callable[[], Awaitable[None]], what: str, on_health: Callable[[bool], None]
 ) -> None:
     """Run ``body`` again whenever it ends or fails, backing off while Redis is away."""
@@ -420,4 +458,4 @@ async def _forever(
             on_health(False)
             log.warning("%s lost Redis (%s); reconnecting", what, exc)
             failures += 1
-        await asyncio.sleep(backoff(failures))
+        await asyncio.sleep(backoff_s(failures))

@@ -12,6 +12,7 @@ from producer.protocol import (
     GenerationRequest,
     JobResult,
     JobState,
+    RequeuedEvent,
     Timings,
     TokenEvent,
     Usage,
@@ -35,11 +36,20 @@ class RunningJob:
     last_token_at: float | None = None
     # Set when the worker, not the engine, chose to stop the job (deadline passed).
     stop_reason: FinishReason | None = None
+    stopping: bool = False  # a cancel was sent to the engine
+    lost: bool = False  # another worker took the entry over; write nothing for it
 
     def _next_seq(self) -> int:
         seq = self.seq
         self.seq += 1
         return seq
+
+    def requeued_event(self, reason: str) -> str:
+        """The first event of a retry: subscribers drop the text of earlier attempts."""
+        event = RequeuedEvent(
+            id=self.job_id, seq=self._next_seq(), attempt=self.attempt, reason=reason
+        )
+        return event.model_dump_json()
 
     def token_event(self, chunk: TokenChunk, now: float) -> str:
         """Record a chunk and return its event as JSON."""

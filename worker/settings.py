@@ -54,6 +54,17 @@ class WorkerSettings(BaseSettings):
     dead_stream_max_len: int = Field(10_000, ge=1)
     read_block_ms: int = Field(1000, ge=10)
     heartbeat_seconds: float = Field(5.0, gt=0)
+    claim_idle_ms: int = Field(
+        30_000, ge=100, description="an entry this long without its owner's renewal is rerun"
+    )
+    max_attempts: int = Field(3, ge=1, le=100, description="runs of one job before it is dead")
+    trim_interval_seconds: float = Field(10.0, gt=0)
+
+    max_request_bytes: int = Field(1_000_000, ge=256, description="size of one stream entry")
+    max_prompt_chars: int = Field(400_000, ge=1, description="prompt, or all messages together")
+    max_messages: int = Field(512, ge=1)
+    max_metadata_bytes: int = Field(16_384, ge=0)
+    max_new_tokens: int = Field(8192, ge=1, le=65_536, description="largest max_new_tokens")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @model_validator(mode="after")
@@ -65,6 +76,11 @@ class WorkerSettings(BaseSettings):
         check_name("queue name", self.queue_name)
         check_name("key prefix", self.prefix)
         return self
+
+    @property
+    def claim_renew_seconds(self) -> float:
+        """How often a worker renews its claim on the jobs it runs: well inside the idle time."""
+        return self.claim_idle_ms / 1000 / 4
 
     @property
     def queue_name(self) -> str:

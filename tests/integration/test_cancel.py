@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 async def test_cancel_mid_stream(redis_url: str, queue_name: str, start_worker: Any) -> None:
     running = await start_worker(max_batch_size=1, echo_tokens_per_second=100.0)
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        handle = await producer.submit("endless words", max_new_tokens=10_000)
+        handle = await producer.submit("endless words", max_new_tokens=5_000)
         events = []
         async for event in handle.stream():
             events.append(event)

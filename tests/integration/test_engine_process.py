@@ -45,7 +45,7 @@ async def test_process_runner_serves_and_its_death_stops_the_worker(
                 timeout=20
             )
             assert result.text == " over a pipe over"
-            running = await producer.submit("long job", max_new_tokens=60_000)
+            running = await producer.submit("long job", max_new_tokens=5_000)
             await anext(running.stream())
             pid = engine._process.pid
             assert pid is not None

@@ -1,0 +1,112 @@
+"""Upkeep: a worker's periodic duties: claims, reclaiming, deadlines, cancels, heartbeat, trim."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from worker.runner import Worker
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1
+CANCEL_POLL_S = 1.0
+CONSUMER_FORGET_AFTER_S = 3600.0
+
+
+@dataclass
+class _Every:
+    """A duty and how often it runs."""
+
+    seconds: float
+    duty: Callable[[], Awaitable[None]]
+    due_at: float = 0.0
+
+
+class Upkeep:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        settings = worker.settings
+        self._duties = [
+            _Every(settings.claim_renew_seconds, self.renew_claims),
+            _Every(max(settings.claim_idle_ms / 1000 / 2, TICK_S), self.reclaim),
+            _Every(CANCEL_POLL_S, self.poll_cancels),
+            _Every(settings.heartbeat_seconds, self.heartbeat),
+            _Every(settings.trim_interval_seconds, self.trim),
+        ]
+
+    async def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            self.expire_overdue()
+            for every in self._duties:
+                if now >= every.due_at:
+                    every.due_at = now + every.seconds
+                    await self._guarded(every.duty)
+            await asyncio.sleep(TICK_S)
+
+    async def _guarded(self, duty: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await duty()
+        except RedisError as exc:
+            self.worker.set_redis_ok(False)
+            log.warning("%s failed: %s", duty.__name__, exc)
+
+    def expire_overdue(self) -> None:
+        now = time.time()
+        for job in list(self.worker.held.values()):
+            deadline = job.request.deadline
+            if deadline is not None and deadline <= now:
+                self.worker.cancel(job.job_id, reason="expired")
+
+    async def renew_claims(self) -> None:
+        """Keep the entries this worker runs from looking abandoned, however long they run."""
+        held = [job.entry_id for job in self.worker.held.values() if not job.lost]
+        lost = await self.worker.broker.renew(held)
+        self.worker.set_redis_ok(True)
+        if lost:
+            self.worker.drop_lost(lost)
+
+    async def reclaim(self) -> None:
+        """Take over entries whose worker stopped renewing them, as slots allow."""
+        worker = self.worker
+        if worker.stop_reading.is_set() or worker.free_slots <= 0:
+            return
+        entries = await worker.broker.reclaim(worker.free_slots, worker.settings.claim_idle_ms)
+        if entries:
+            log.info("took over %d entries from stopped workers", len(entries))
+            await worker.accept(entries)
+
+    async def poll_cancels(self) -> None:
+        """Cancellation flags, in case the pub/sub message was missed."""
+        running = [job.job_id for job in self.worker.held.values() if not job.stopping]
+        for job_id in await self.worker.broker.cancel_flags(running):
+            self.worker.cancel(job_id)
+
+    async def heartbeat(self) -> None:
+        worker = self.worker
+        await worker.broker.heartbeat(
+            {
+                "engine": worker.engine.name,
+                "model": worker.settings.model.name if worker.settings.model else None,
+                "capacity": worker.capacity,
+                "load": len(worker.held),
+                "ready": worker.ready,
+            },
+            stale_after_s=worker.settings.heartbeat_seconds * 6,
+        )
+        worker.set_redis_ok(True)
+
+    async def trim(self) -> None:
+        """Bounded memory: drop entries every group has finished, and consumers long gone."""
+        trimmed = await self.worker.broker.trim()
+        forgotten = await self.worker.broker.forget_idle_consumers(
+            int(max(CONSUMER_FORGET_AFTER_S, self.worker.settings.claim_idle_ms / 100) * 1000)
+        )
+        if trimmed or forgotten:
+            log.debug("trimmed %d entries, forgot %d idle consumers", trimmed, forgotten)
