@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
-from producer.errors import JobFailed, JobRestarted, QueueFull
+from producer.errors import ExlqError, JobFailed, JobRestarted, QueueFull
 from producer.keys import DEFAULT_PREFIX, QueueKeys
 from producer.protocol import (
     DoneEvent,
@@ -20,17 +24,21 @@ from producer.protocol import (
     GenerationRequest,
     InvalidRequest,
     JobResult,
+    JobState,
     RequeuedEvent,
     TokenEvent,
     describe_validation_error,
     parse_event,
 )
-from producer.subscriber import EventRouter
+from producer.subscriber import RECONNECTED, EventRouter
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STATE_TTL_S = 24 * 3600
-# While a stream is quiet this long, look at the stored result in case the end
-# of the job was published while the pub/sub connection was down.
-RESULT_POLL_S = 2.0
+# While a stream is quiet this long, look at the stored result in case the end of the job
+# was published while its events could not arrive. After a reconnect the router tells
+# every handle at once; this is the fallback for losses nobody noticed.
+RESULT_POLL_S = 30.0
 
 # Atomic: dedupe on the job id, refuse when the backlog is full, enqueue, record state.
 _SUBMIT_LUA = """
@@ -107,20 +115,24 @@ class JobHandle:
             for event in await self._recover_from_result():
                 yield self._track(event)
         while self._final is None:
-            try:
-                raw = await asyncio.wait_for(self._events.get(), RESULT_POLL_S)
-            except TimeoutError:
-                for event in await self._recover_from_result():
-                    yield self._track(event)
-                continue
-            accepted = self._accept(parse_event(raw))
-            if accepted is not None:
-                yield self._track(accepted)
-            elif self._gap and isinstance(self._pending_end, DoneEvent | ErrorEvent):
-                # Events were lost: finish from the stored result, written with the end.
-                for recovered in await self._recover_from_result(wait=True):
-                    yield self._track(recovered)
+            for event in await self._next_events():
+                yield self._track(event)
         await self._producer._release(self.id)
+
+    async def _next_events(self) -> list[Event]:
+        try:
+            raw = await asyncio.wait_for(self._events.get(), RESULT_POLL_S)
+        except TimeoutError:
+            return await self._recover_from_result()
+        if raw == RECONNECTED:
+            return await self._recover_from_result()
+        accepted = self._accept(parse_event(raw))
+        if accepted is not None:
+            return [accepted]
+        if self._gap and isinstance(self._pending_end, DoneEvent | ErrorEvent):
+            # Events were lost: finish from the stored result, written with the end.
+            return await self._recover_from_result(wait=True)
+        return []
 
     def _accept(self, event: Event) -> Event | None:
         """The event to yield, or None: late events of an earlier attempt, duplicates, and
@@ -162,20 +174,65 @@ class JobHandle:
                 yield new
 
     async def result(self, timeout: float | None = None) -> JobResult:
-        """Wait for the job to end and return its stored result; raise JobFailed if it failed."""
+        """Wait for the job to end and return its result; raise JobFailed if it failed.
+
+        A handle that saw the whole stream builds the result from it; the stored copy (the
+        worker writes it in the same script as the final event) is read only when events
+        were lost, so a result that has since expired does not matter."""
         async with asyncio.timeout(timeout):
             async for _ in self.stream():
                 pass
-            stored = await self._producer.get_result(self.id)
-            while stored is None:  # the end was seen on pub/sub; the write is in the same EXEC
-                await asyncio.sleep(0.05)
-                stored = await self._producer.get_result(self.id)
-        if stored.state == "failed" and stored.error is not None:
-            raise JobFailed(self.id, stored.error)
-        return stored
+            result = self._result_from_stream()
+            if result is None:
+                result = await self._stored_result()
+            if result is None:
+                raise ExlqError(f"job {self.id} ended but its result has expired")
+        if result.state == "failed" and result.error is not None:
+            raise JobFailed(self.id, result.error)
+        return result
+
+    def _result_from_stream(self) -> JobResult | None:
+        final = self._final
+        if self._gap or final is None:
+            return None
+        if isinstance(final, ErrorEvent):
+            return JobResult(
+                id=self.id,
+                state="failed",
+                text="".join(self._text),
+                error=final.error,
+                attempts=final.attempt,
+            )
+        state: JobState = (
+            "cancelled"
+            if final.finish_reason == "cancelled"
+            else "expired"
+            if final.finish_reason == "expired"
+            else "done"
+        )
+        return JobResult(
+            id=self.id,
+            state=state,
+            text="".join(self._text),
+            finish_reason=final.finish_reason,
+            usage=final.usage,
+            timings=final.timings,
+            attempts=final.attempt,
+        )
 
     async def cancel(self) -> str:
         return await self._producer.cancel(self.id)
+
+    async def _stored_result(self) -> JobResult | None:
+        """The stored result, riding out Redis outages: a handle waits for its job."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((RedisConnectionError, RedisTimeoutError, OSError)),
+            wait=wait_exponential_jitter(multiplier=0.1, max=5.0),
+            before_sleep=_log_retry,
+        ):
+            with attempt:
+                return await self._producer.get_result(self.id)
+        raise AssertionError("unreachable: the retry loop returns or raises")
 
     def _track(self, event: Event) -> Event:
         if isinstance(event, RequeuedEvent):
@@ -190,10 +247,10 @@ class JobHandle:
 
     async def _recover_from_result(self, wait: bool = False) -> list[Event]:
         """Rebuild the end of the stream from the stored result, if the job has ended."""
-        stored = await self._producer.get_result(self.id)
-        while stored is None and wait:
-            await asyncio.sleep(0.05)
-            stored = await self._producer.get_result(self.id)
+        stored = await self._stored_result()
+        if stored is None and wait:
+            # The final event was seen, and the result is written in the same script.
+            raise ExlqError(f"job {self.id}: events were lost and its result has expired")
         if stored is None:
             return []
         received = "".join(self._text)
@@ -330,3 +387,8 @@ class AsyncProducer:
     async def _release(self, job_id: str) -> None:
         with contextlib.suppress(Exception):
             await self._router.unsubscribe(self.keys.events(job_id))
+
+
+def _log_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    log.warning("reading a result failed (%s); retrying", error)

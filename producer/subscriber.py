@@ -13,6 +13,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 10.0
+# Put in every queue after the connection came back: events may have been lost meanwhile,
+# so each handle looks at its stored result.
+RECONNECTED = b""
 _READ_POLL_S = 1.0
 _RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -81,7 +84,10 @@ class EventRouter:
                 log.warning("pub/sub connection lost (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
                 continue
-            failures = 0
+            if failures:  # back: redis-py has resubscribed every channel
+                failures = 0
+                for queue in self._queues.values():
+                    queue.put_nowait(RECONNECTED)
             if message is not None:
                 self._dispatch(message)
 

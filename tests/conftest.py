@@ -95,7 +95,7 @@ async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callabl
         if engine is None:
             engine = EchoEngine(settings.max_batch_size, settings.echo_tokens_per_second)
         broker = Broker.from_url(
-            redis_url,
+            settings.redis_url,
             QueueKeys(settings.queue_name),
             settings.consumer_name,
             result_ttl_s=settings.result_ttl_seconds,
