@@ -15,7 +15,7 @@ _NAME_RE = re.compile(NAME_PATTERN)
 
 def check_name(kind: str, value: str) -> str:
     """Return ``value`` if it is a valid queue name, prefix or job id, else raise ValueError."""
-    if not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise ValueError(
             f"{kind} {value!r} is not valid: use 1 to 128 characters from "
             "letters, digits, '.', '_', ':' and '-'"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -12,6 +13,7 @@ from pydantic import (
     JsonValue,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -31,7 +33,8 @@ TERMINAL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled", "exp
 class WireModel(BaseModel):
     """Strict base: unknown fields and type coercions are refused, never guessed at."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # allow_inf_nan=False: JSON has no Infinity or NaN; such a value could not round-trip.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class Sampling(WireModel):
@@ -51,6 +54,16 @@ class Sampling(WireModel):
 class ChatMessage(WireModel):
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+def _all_finite(value: JsonValue) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_all_finite(v) for v in value)
+    return True
 
 
 def new_job_id() -> str:
@@ -84,6 +97,21 @@ class GenerationRequest(WireModel):
         None, gt=0, description="Unix time in seconds after which the job is not worth running"
     )
     metadata: dict[str, JsonValue] | None = None
+
+    @field_validator("v", mode="before")
+    @classmethod
+    def _integer_version(cls, value: object) -> object:
+        # Literal[1] compares by equality, so true and 1.0 would pass for 1.
+        if type(value) is not int:
+            raise ValueError("v must be the integer 1")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _finite_metadata(cls, value: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
+        if value is not None and not _all_finite(value):
+            raise ValueError("metadata must be JSON: no NaN or Infinity")
+        return value
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:

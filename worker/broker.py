@@ -25,12 +25,18 @@ local lost = {}
 if not batch.finals then return lost end
 for _, f in ipairs(batch.finals) do
   local owner = redis.call('XPENDING', KEYS[1], ARGV[1], f.entry, f.entry, 1)[1]
+  local job = f.job and (ARGV[5] .. 'job:' .. f.job)
+  local other = f.guard and redis.call('HGET', job, 'entry')
   if owner == nil or owner[2] ~= ARGV[2] then
     table.insert(lost, f.entry)
   else
+    if other and other ~= f.entry then
+      -- A rejected entry naming another entry's job: leave that job's result and events be.
+      f.result = nil
+      f.event = nil
+    end
     if f.result then
       redis.call('SET', ARGV[5] .. 'result:' .. f.job, f.result, 'EX', ARGV[3])
-      local job = ARGV[5] .. 'job:' .. f.job
       redis.call('HSET', job, 'state', f.state, 'worker', ARGV[2])
       redis.call('EXPIRE', job, ARGV[3])
     end
@@ -108,6 +114,9 @@ class Final:
     channel: str | None = None
     event_json: str | None = None
     dead: dict[str, str] | None = None
+    # Write the result and event only if the job's hash names this entry or no entry: a
+    # malformed entry must not overwrite another entry's job of the same id.
+    guard: bool = False
 
 
 @dataclass
@@ -147,6 +156,7 @@ class Batch:
                         ("channel", f.channel),
                         ("event", f.event_json),
                         ("dead", _flat(f.dead)),
+                        ("guard", f.guard or None),
                     )
                     if v is not None
                 }

@@ -241,6 +241,7 @@ class Worker:
                 channel=self.broker.keys.events(job_id),
                 event_json=ErrorEvent(id=job_id, seq=0, attempt=1, error=error).model_dump_json(),
                 dead=final.dead,
+                guard=True,
             )
         batch.finish(final)
         self.metrics.job_failed("invalid_request")

@@ -439,12 +439,6 @@ async def test_deeply_nested_entry_is_dead_lettered_and_worker_goes_on(
     assert letter[b"entry"].decode() == entry_id
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an invalid entry that names the id of a job that already ended overwrites "
-    "that job's stored result (and its state hash) with a failed one, and publishes an error "
-    "on its channel; _reject does not consult the job hash as start_jobs does",
-)
 async def test_invalid_entry_does_not_overwrite_an_ended_job(
     echo_worker: RunningWorker, queue_name: str, redis_client: aioredis.Redis
 ) -> None:

@@ -482,11 +482,6 @@ def test_parse_event_on_near_valid_events(event: dict[str, Any], key: str, value
 # -- what these properties found (documented, not fixed here) ----------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: deadline accepts Infinity (and 1e400); model_dump_json writes it as null, "
-    "so the request does not round-trip (deadline becomes None)",
-)
 @pytest.mark.parametrize("raw_deadline", ["Infinity", "1e400"])
 def test_non_finite_deadline_is_refused_or_round_trips(raw_deadline: str) -> None:
     outcome = decode(f'{{"prompt": "x", "deadline": {raw_deadline}}}')
@@ -494,10 +489,6 @@ def test_non_finite_deadline_is_refused_or_round_trips(raw_deadline: str) -> Non
         assert repr(parse_request(outcome.model_dump_json())) == repr(outcome)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: metadata accepts NaN/Infinity, written back as null: no round-trip",
-)
 @pytest.mark.parametrize("raw_value", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_metadata_is_refused_or_round_trips(raw_value: str) -> None:
     outcome = decode(f'{{"prompt": "x", "metadata": {{"a": {raw_value}}}}}')
@@ -505,11 +496,6 @@ def test_non_finite_metadata_is_refused_or_round_trips(raw_value: str) -> None:
         assert repr(parse_request(outcome.model_dump_json())) == repr(outcome)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the strict model accepts v=true and v=1.0 (Literal[1] compares by equality), "
-    "a type coercion the contract says it refuses",
-)
 @pytest.mark.parametrize("raw_v", ["true", "1.0"])
 def test_version_must_be_the_integer_one(raw_v: str) -> None:
     outcome = decode(f'{{"prompt": "x", "v": {raw_v}}}')
@@ -517,12 +503,6 @@ def test_version_must_be_the_integer_one(raw_v: str) -> None:
     assert names_path(str(outcome), "v")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: keys.check_name uses re.match with '$', which also matches before a trailing "
-    "newline, so 'a\\n' passes check_name (queue names, prefixes, the worker's _job_id_of) "
-    "while the request decoder refuses it",
-)
 @FUZZ
 @given(st.text(max_size=140) | job_ids.map(lambda s: s + "\n"))
 def test_check_name_agrees_with_the_request_id_pattern(candidate: str) -> None:
