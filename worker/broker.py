@@ -13,9 +13,11 @@ from redis.exceptions import ResponseError
 
 from producer.keys import CONSUMER_GROUP, QueueKeys
 
-# One engine step's writes. KEYS: jobs stream, dead stream. ARGV: group, consumer, result
-# TTL, dead stream cap, key prefix of the queue ("exlq:{q}:"), the batch as JSON. Returns
-# the entries this worker no longer owns (their finals were not written).
+# One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
+# each final that names a job (its "k" is the index of its result key: every key a script
+# touches is declared, as Redis Cluster and ACLs expect). ARGV: group, consumer, result TTL,
+# dead stream cap, unused, the batch as JSON. Returns the entries this worker no longer owns
+# (their finals were not written).
 _COMMIT_LUA = """
 local batch = cjson.decode(ARGV[6])
 if batch.publish then
@@ -25,7 +27,7 @@ local lost = {}
 if not batch.finals then return lost end
 for _, f in ipairs(batch.finals) do
   local owner = redis.call('XPENDING', KEYS[1], ARGV[1], f.entry, f.entry, 1)[1]
-  local job = f.job and (ARGV[5] .. 'job:' .. f.job)
+  local job = f.k and KEYS[f.k + 1]
   local other = f.guard and redis.call('HGET', job, 'entry')
   if owner == nil or owner[2] ~= ARGV[2] then
     table.insert(lost, f.entry)
@@ -36,7 +38,7 @@ for _, f in ipairs(batch.finals) do
       f.event = nil
     end
     if f.result then
-      redis.call('SET', ARGV[5] .. 'result:' .. f.job, f.result, 'EX', ARGV[3])
+      redis.call('SET', KEYS[f.k], f.result, 'EX', ARGV[3])
       redis.call('HSET', job, 'state', f.state, 'worker', ARGV[2])
       redis.call('EXPIRE', job, ARGV[3])
     end
@@ -139,30 +141,33 @@ class Batch:
     def __len__(self) -> int:
         return len(self.publishes) + len(self.finals)
 
-    def to_json(self) -> str:
-        # Absent, never null: cjson decodes null to a value Lua treats as true.
+    def encode(self, keys: QueueKeys) -> tuple[list[str], str]:
+        """The script's KEYS and its batch argument (JSON)."""
+        script_keys = [keys.jobs, keys.dead]
+        finals = []
+        for f in self.finals:
+            # Absent, never null: cjson decodes null to a value Lua treats as true.
+            final: dict[str, Any] = {"entry": f.entry_id}
+            if f.job_id is not None:
+                final["k"] = len(script_keys) + 1  # Lua counts from 1
+                script_keys += [keys.result(f.job_id), keys.job(f.job_id)]
+            for name, value in (
+                ("state", f.state),
+                ("result", f.result_json),
+                ("channel", f.channel),
+                ("event", f.event_json),
+                ("dead", _flat(f.dead)),
+                ("guard", f.guard or None),
+            ):
+                if value is not None:
+                    final[name] = value
+            finals.append(final)
         body: dict[str, Any] = {}
         if self.publishes:
             body["publish"] = [[channel, event] for channel, event in self.publishes]
-        if self.finals:
-            body["finals"] = [
-                {
-                    k: v
-                    for k, v in (
-                        ("entry", f.entry_id),
-                        ("job", f.job_id),
-                        ("state", f.state),
-                        ("result", f.result_json),
-                        ("channel", f.channel),
-                        ("event", f.event_json),
-                        ("dead", _flat(f.dead)),
-                        ("guard", f.guard or None),
-                    )
-                    if v is not None
-                }
-                for f in self.finals
-            ]
-        return json.dumps(body)
+        if finals:
+            body["finals"] = finals
+        return script_keys, json.dumps(body)
 
 
 def _flat(fields: dict[str, str] | None) -> list[str] | None:
@@ -242,16 +247,10 @@ class Broker:
     async def commit(self, batch: Batch) -> list[str]:
         """Write a batch atomically; returns the entries whose finals were not written
         because another worker owns them now."""
+        script_keys, body = batch.encode(self.keys)
         lost = await self._commit(
-            keys=[self.keys.jobs, self.keys.dead],
-            args=[
-                CONSUMER_GROUP,
-                self.consumer,
-                self.result_ttl_s,
-                self.dead_max_len,
-                self.keys.base,
-                batch.to_json(),
-            ],
+            keys=script_keys,
+            args=[CONSUMER_GROUP, self.consumer, self.result_ttl_s, self.dead_max_len, "", body],
         )
         return [entry.decode() for entry in lost]
 
