@@ -58,6 +58,9 @@ class Worker:
         self._reports: asyncio.Queue[StepReport] = asyncio.Queue()
         self._slot_freed = asyncio.Event()
         self.stop_reading = asyncio.Event()
+        # Loops end on this as well as on cancellation: a library that swallows a
+        # CancelledError mid-command must not keep a helper, and so the worker, alive.
+        self.closing = asyncio.Event()
         self._engine_dead = asyncio.Event()
         self._redis_ok = False
 
@@ -120,6 +123,7 @@ class Worker:
         if self.held:
             log.warning("leaving %d unfinished jobs pending for another worker", len(self.held))
         await asyncio.to_thread(self.engine.stop, 30.0)
+        self.closing.set()
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
@@ -263,7 +267,7 @@ class Worker:
     # -- publishing ----------------------------------------------------------------------
 
     async def _publish_loop(self) -> None:
-        while True:
+        while not self.closing.is_set():
             reports = [await self._reports.get()]
             while not self._reports.empty():  # coalesce steps that queued up meanwhile
                 reports.append(self._reports.get_nowait())
@@ -378,7 +382,7 @@ class Worker:
     # -- cancellation --------------------------------------------------------------------
 
     async def _cancel_loop(self) -> None:
-        await forever(self._listen_for_cancels, "cancel listener", self.set_redis_ok)
+        await forever(self._listen_for_cancels, "cancel listener", self.set_redis_ok, self.closing)
 
     async def _listen_for_cancels(self) -> None:
         async for job_id in self.broker.cancel_requests():
@@ -447,11 +451,14 @@ async def _first_of(*waits: Awaitable[object]) -> None:
 
 
 async def forever(
-    body: Callable[[], Awaitable[None]], what: str, on_health: Callable[[bool], None]
+    body: Callable[[], Awaitable[None]],
+    what: str,
+    on_health: Callable[[bool], None],
+    closing: asyncio.Event,
 ) -> None:
     """Run ``body`` again whenever it ends or fails, backing off while Redis is away."""
     failures = 0
-    while True:
+    while not closing.is_set():
         try:
             await body()
             failures = 0

@@ -41,7 +41,7 @@ class Upkeep:
         ]
 
     async def run(self) -> None:
-        while True:
+        while not self.worker.closing.is_set():
             now = time.monotonic()
             self.expire_overdue()
             for every in self._duties:
