@@ -143,6 +143,7 @@ async def test_soak_every_job_exactly_one_result_and_memory_returns(
         for process in workers:
             await asyncio.to_thread(process.communicate)
         counter.cancel()
+        await asyncio.gather(counter, return_exceptions=True)  # its finally closes the pubsub
         await listener.aclose()
     print(
         f"\nsoak: jobs={JOBS} kills={counts['kills']} restarts={counts['restarts']} "
