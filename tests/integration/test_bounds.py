@@ -124,3 +124,21 @@ async def test_a_subscriber_that_missed_events_recovers_the_whole_text(
         texts = [piece async for piece in handle.stream_text()]
         result = await handle.result(timeout=5)
     assert "".join(texts) == "abcd" == result.text
+
+
+async def test_a_subscriber_cut_off_by_redis_recovers_the_whole_text(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
+) -> None:
+    """Redis drops pub/sub clients that fall behind (client-output-buffer-limit pubsub);
+    CLIENT KILL TYPE pubsub does the same on cue. The SDK reconnects, and its stream
+    still yields the whole text, once."""
+    await start_worker(echo_tokens_per_second=100.0)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("cut off", max_new_tokens=150)
+        pieces: list[str] = []
+        async for piece in handle.stream_text():
+            pieces.append(piece)
+            if len(pieces) == 20:
+                assert await redis_client.client_kill_filter(_type="pubsub") >= 1
+        result = await handle.result(timeout=20)
+    assert "".join(pieces) == result.text == " cut off" * 75
