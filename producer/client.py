@@ -13,8 +13,9 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from producer.backoff import REDIS_BACKOFF
 from producer.errors import ExlqError, JobFailed, JobRestarted, QueueFull
 from producer.keys import DEFAULT_PREFIX, QueueKeys
 from producer.protocol import (
@@ -24,10 +25,10 @@ from producer.protocol import (
     GenerationRequest,
     InvalidRequest,
     JobResult,
-    JobState,
     RequeuedEvent,
     TokenEvent,
     describe_validation_error,
+    final_state,
     parse_event,
 )
 from producer.subscriber import RECONNECTED, EventRouter
@@ -203,16 +204,9 @@ class JobHandle:
                 error=final.error,
                 attempts=final.attempt,
             )
-        state: JobState = (
-            "cancelled"
-            if final.finish_reason == "cancelled"
-            else "expired"
-            if final.finish_reason == "expired"
-            else "done"
-        )
         return JobResult(
             id=self.id,
-            state=state,
+            state=final_state(final.finish_reason),
             text="".join(self._text),
             finish_reason=final.finish_reason,
             usage=final.usage,
@@ -227,7 +221,7 @@ class JobHandle:
         """The stored result, riding out Redis outages: a handle waits for its job."""
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type((RedisConnectionError, RedisTimeoutError, OSError)),
-            wait=wait_exponential_jitter(multiplier=0.1, max=5.0),
+            wait=REDIS_BACKOFF,
             before_sleep=_log_retry,
         ):
             with attempt:

@@ -27,7 +27,11 @@ MAX_TOP_LOGPROBS = 20
 
 FinishReason = Literal["stop", "length", "cancelled", "expired"]
 JobState = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
-TERMINAL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled", "expired"})
+
+
+def final_state(reason: FinishReason) -> JobState:
+    """The state a job ends in for a finish reason (errors end in "failed")."""
+    return "cancelled" if reason == "cancelled" else "expired" if reason == "expired" else "done"
 
 
 class WireModel(BaseModel):

@@ -10,6 +10,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer.backoff import reconnect_delay_s
+
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 10.0
@@ -17,7 +19,6 @@ SUBSCRIBE_TIMEOUT_S = 10.0
 # so each handle looks at its stored result.
 RECONNECTED = b""
 _READ_POLL_S = 1.0
-_RECONNECT_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 class EventRouter:
@@ -79,7 +80,7 @@ class EventRouter:
             except asyncio.CancelledError:
                 raise
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                delay = _RECONNECT_BACKOFF_S[min(failures, len(_RECONNECT_BACKOFF_S) - 1)]
+                delay = reconnect_delay_s(failures)
                 failures += 1
                 log.warning("pub/sub connection lost (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)

@@ -14,18 +14,15 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import IO
 from urllib.parse import quote
 
 import redis
 import trustme
 
 from producer.keys import DEFAULT_PREFIX
-from worker.embedded_redis import RedisServerError, free_port
+from worker.embedded_redis import RedisServer, free_port
 
 HOST = "127.0.0.1"
 _SEARCHED = ("/usr/bin/redis-server", "/usr/local/bin/redis-server")
@@ -160,44 +157,52 @@ def find_tls_redis_server() -> str | None:
     return None
 
 
-class TlsRedisServer:
+class TlsRedisServer(RedisServer):
     """redis-server on 127.0.0.1 with only a TLS port, a CA and server certificate made by
     trustme, and the given ACL users plus ``admin``; the ``default`` user is off. No disk."""
 
     def __init__(self, users: list[AclUser], binary: str) -> None:
-        self.binary = binary
+        super().__init__(port=free_port(), binary=binary)
         self.admin = AclUser.make("admin", ADMIN_RULES)
         self.users = [self.admin, *users]
-        self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="exlq-tls-")
         self.dir = Path(self._dir.name)
         self.ca_path = self.dir / "ca.pem"
         self.acl_path = self.dir / "users.acl"
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self.cert_path, self.key_path = self.dir / "server.pem", self.dir / "server.key"
 
-    def url(self, user: AclUser, password: str | None = None, *, ca: bool = True) -> str:
+    def user_url(self, user: AclUser, password: str | None = None, *, ca: bool = True) -> str:
         """``rediss://`` URL of this server for ``user``, trusting the test CA."""
         secret = user.password if password is None else password
         url = f"rediss://{quote(user.name, safe='')}:{quote(secret, safe='')}@{HOST}:{self.port}/0"
         return f"{url}?ssl_ca_certs={quote(str(self.ca_path), safe='/')}" if ca else url
 
     def admin_client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url(self.admin), socket_connect_timeout=1)
+        return redis.Redis.from_url(self.user_url(self.admin), socket_connect_timeout=1)
 
-    def _write_files(self) -> tuple[Path, Path]:
+    def ready_client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.user_url(self.admin), socket_connect_timeout=0.2)
+
+    def start(self, timeout_s: float = 10.0) -> TlsRedisServer:
+        self._write_files()
+        super().start(timeout_s)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        super().stop(timeout_s)
+        self._dir.cleanup()
+
+    def _write_files(self) -> None:
         ca = trustme.CA()
         ca.cert_pem.write_to_path(str(self.ca_path))
         server_cert = ca.issue_cert(HOST, "localhost")
-        cert_path, key_path = self.dir / "server.pem", self.dir / "server.key"
-        server_cert.cert_chain_pems[0].write_to_path(str(cert_path))
-        server_cert.private_key_pem.write_to_path(str(key_path))
+        server_cert.cert_chain_pems[0].write_to_path(str(self.cert_path))
+        server_cert.private_key_pem.write_to_path(str(self.key_path))
         lines = ["user default off resetkeys resetchannels -@all"]
         lines += [user.acl_line() for user in self.users]
         self.acl_path.write_text("\n".join(lines) + "\n")
-        return cert_path, key_path
 
-    def command(self, cert_path: Path, key_path: Path) -> list[str]:
+    def command(self) -> list[str]:
         return [
             self.binary,
             "--port",
@@ -207,9 +212,9 @@ class TlsRedisServer:
             "--bind",
             HOST,
             "--tls-cert-file",
-            str(cert_path),
+            str(self.cert_path),
             "--tls-key-file",
-            str(key_path),
+            str(self.key_path),
             "--tls-ca-cert-file",
             str(self.ca_path),
             "--tls-auth-clients",
@@ -223,67 +228,3 @@ class TlsRedisServer:
             "--appendonly",
             "no",
         ]
-
-    def start(self, timeout_s: float = 10.0) -> TlsRedisServer:
-        cert_path, key_path = self._write_files()
-        log_file = self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives with the process
-        self._process = subprocess.Popen(
-            self.command(cert_path, key_path),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        client = redis.Redis.from_url(self.url(self.admin), socket_connect_timeout=0.2)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                if self._process.poll() is not None:
-                    raise RedisServerError(
-                        f"{self.binary} exited at start (TLS port {self.port}):\n{self.log()}"
-                    )
-                try:
-                    client.ping()
-                    return self
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        log = self.log()
-                        self.stop()
-                        raise RedisServerError(
-                            f"{self.binary} did not answer over TLS on port {self.port} "
-                            f"within {timeout_s}s:\n{log}"
-                        ) from None
-                    time.sleep(0.05)
-        finally:
-            client.close()
-
-    def log(self) -> str:
-        if self._log is None:
-            return ""
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-2000:]
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        self._dir.cleanup()
-
-    def __enter__(self) -> TlsRedisServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

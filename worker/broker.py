@@ -356,18 +356,6 @@ class Broker:
     async def leave(self) -> None:
         await self.client.hdel(self.keys.workers, self.consumer)
 
-    async def pending_count(self) -> int:
-        """Entries this consumer holds, as Redis sees them."""
-        reply = await self.client.xpending_range(
-            self.keys.jobs,
-            CONSUMER_GROUP,
-            min="-",
-            max="+",
-            count=100_000,
-            consumername=self.consumer,
-        )
-        return len(reply)
-
 
 def _parse_id(raw: bytes | str) -> tuple[int, int]:
     text = raw.decode() if isinstance(raw, bytes) else raw

@@ -102,7 +102,7 @@ class RedisServer:
         self._process = subprocess.Popen(
             self.command(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = self.ready_client()
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -124,6 +124,10 @@ class RedisServer:
                     time.sleep(0.02)
         finally:
             client.close()
+
+    def ready_client(self) -> redis.Redis:
+        """The client whose PING says the server is up (a subclass may speak TLS)."""
+        return redis.Redis(port=self.port, socket_connect_timeout=0.2)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         process, self._process = self._process, None

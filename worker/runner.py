@@ -10,8 +10,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from producer.backoff import REDIS_BACKOFF, reconnect_delay_s
 from producer.keys import check_name
 from producer.protocol import (
     ErrorEvent,
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
-# Redis outages: retry forever, 0.1 s growing to 5 s, with jitter so workers do not stampede.
-REDIS_BACKOFF = wait_exponential_jitter(multiplier=0.1, max=5.0)
 
 
 class Worker:
@@ -153,7 +152,7 @@ class Worker:
                 self.set_redis_ok(True)
             except RedisError as exc:
                 self.set_redis_ok(False)
-                delay = backoff_s(failures)
+                delay = reconnect_delay_s(failures)
                 failures += 1
                 log.warning("reading from Redis failed (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
@@ -434,13 +433,6 @@ def _job_id_of(payload: bytes | None) -> str | None:
         return None
 
 
-_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
-
-
-def backoff_s(failures: int) -> float:
-    return _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
-
-
 async def _first_of(*waits: Awaitable[object]) -> None:
     tasks = [asyncio.ensure_future(w) for w in waits]
     try:
@@ -466,4 +458,4 @@ async def forever(
             on_health(False)
             log.warning("%s lost Redis (%s); reconnecting", what, exc)
             failures += 1
-        await asyncio.sleep(backoff_s(failures))
+        await asyncio.sleep(reconnect_delay_s(failures))

@@ -16,6 +16,7 @@ from producer.protocol import (
     Timings,
     TokenEvent,
     Usage,
+    final_state,
 )
 from worker.engines.base import JobEnded, TokenChunk
 
@@ -93,9 +94,7 @@ class RunningJob:
             usage=usage,
             timings=timings,
         )
-        state: JobState = (
-            "cancelled" if reason == "cancelled" else "expired" if reason == "expired" else "done"
-        )
+        state = final_state(reason)
         result = JobResult(
             id=self.job_id,
             state=state,

@@ -63,7 +63,7 @@ def admin(tls_server: TlsRedisServer) -> Iterator[redis.Redis]:
 # TLS server, as the worker ACL user, and the queue that user may serve.
 @pytest.fixture
 def redis_url(tls_server: TlsRedisServer, worker_user: AclUser, admin: redis.Redis) -> str:
-    return tls_server.url(worker_user)
+    return tls_server.user_url(worker_user)
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def queue_name() -> str:
 
 @pytest.fixture
 def producer_url(tls_server: TlsRedisServer, producer_user: AclUser) -> str:
-    return tls_server.url(producer_user)
+    return tls_server.user_url(producer_user)
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def producer_client(producer_url: str) -> Iterator[redis.Redis]:
 
 
 def test_urls_carry_the_ca_file(tls_server: TlsRedisServer, producer_user: AclUser) -> None:
-    url = tls_server.url(producer_user)
+    url = tls_server.user_url(producer_user)
     assert url.startswith("rediss://")
     assert f"ssl_ca_certs={tls_server.ca_path}" in url
 
@@ -162,7 +162,7 @@ def test_worker_may_send_every_command_of_the_broker(
     tls_server: TlsRedisServer, worker_user: AclUser
 ) -> None:
     """The commands worker/broker.py sends, and those its next version adds, one by one."""
-    client = redis.Redis.from_url(tls_server.url(worker_user))
+    client = redis.Redis.from_url(tls_server.user_url(worker_user))
     base = f"exlq:{{{QUEUE}}}"
     jobs, job, workers = f"{base}:jobs", f"{base}:job:a", f"{base}:workers"
     try:
@@ -209,7 +209,7 @@ def test_worker_may_send_every_command_of_the_broker(
 def test_plain_connection_to_the_tls_port_fails(
     tls_server: TlsRedisServer, producer_user: AclUser
 ) -> None:
-    url = tls_server.url(producer_user, ca=False).replace("rediss://", "redis://", 1)
+    url = tls_server.user_url(producer_user, ca=False).replace("rediss://", "redis://", 1)
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     try:
         with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
@@ -219,7 +219,7 @@ def test_plain_connection_to_the_tls_port_fails(
 
 
 def test_server_certificate_is_verified(tls_server: TlsRedisServer, producer_user: AclUser) -> None:
-    client = redis.Redis.from_url(tls_server.url(producer_user, ca=False), socket_timeout=5)
+    client = redis.Redis.from_url(tls_server.user_url(producer_user, ca=False), socket_timeout=5)
     try:
         with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
             client.ping()
@@ -230,13 +230,13 @@ def test_server_certificate_is_verified(tls_server: TlsRedisServer, producer_use
 async def test_wrong_password_is_refused(
     tls_server: TlsRedisServer, producer_user: AclUser
 ) -> None:
-    client = redis.Redis.from_url(tls_server.url(producer_user, "wrong"))
+    client = redis.Redis.from_url(tls_server.user_url(producer_user, "wrong"))
     try:
         with pytest.raises(AuthenticationError, match="invalid username-password pair"):
             client.ping()
     finally:
         client.close()
-    async with AsyncProducer(tls_server.url(producer_user, "wrong"), queue=QUEUE) as producer:
+    async with AsyncProducer(tls_server.user_url(producer_user, "wrong"), queue=QUEUE) as producer:
         with pytest.raises(AuthenticationError, match="invalid username-password pair"):
             await producer.submit("x", max_new_tokens=1)
 
