@@ -224,10 +224,12 @@ PAGE_SIZE = 256  # exllamav2.attn.PAGED_PAGE_SIZE
 
 
 class _StepLog:
-    """Per-job token arrival times and per-iterate() timings of one dynamic-generator run."""
+    """Per-job token times (made, and handed to the caller) and per-iterate() timings of one
+    dynamic-generator run."""
 
     def __init__(self, jobs: int) -> None:
         self.token_times: list[list[float]] = [[] for _ in range(jobs)]
+        self.event_times: list[list[float]] = [[] for _ in range(jobs)]
         self.seen = [0] * jobs
         self.final_tokens: list[int | None] = [None] * jobs
         self.step_ms: list[float] = []
@@ -247,6 +249,8 @@ class _StepLog:
             if r["stage"] != "streaming":
                 continue
             j = int(r["identifier"])
+            if "token_ids" in r:  # tokens handed to the caller (held-back text comes later)
+                self.event_times[j].append(te)
             if j not in touched:
                 touched.add(j)
                 # job.new_tokens counts tokens even while their text is held back (partial UTF-8)
@@ -406,9 +410,13 @@ def bench_exllamav2_dynamic(
             max_new_tokens=max_new_tokens,
             t0=t0,
             t_end=log.t_end,
-            token_times=log.token_times,
+            token_times=log.event_times,
             completion_tokens=sum(t or 0 for t in log.final_tokens),
         )
+        made = [tt[0] - t0 for tt in log.token_times if tt]
+        made_itl = [b - a for tt in log.token_times for a, b in itertools.pairwise(tt)]
+        out["ttft_made_ms_p50"], out["ttft_made_ms_p99"] = percentiles(_ms(made))
+        out["itl_made_ms_p50"], out["itl_made_ms_p99"] = percentiles(_ms(made_itl))
         peak = _cuda_peak()
         fit = (cache_tokens // PAGE_SIZE) // math.ceil((prompt_tokens + max_new_tokens) / PAGE_SIZE)
         notes = []

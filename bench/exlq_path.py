@@ -8,10 +8,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.baselines import _summarize, random_prompt_ids
+from bench.baselines import _summarize, percentiles, random_prompt_ids
 from producer import AsyncProducer, DoneEvent, TokenEvent
 from worker.embedded_redis import RedisServer, free_port
 
@@ -40,8 +41,10 @@ class WorkerProcess:
             args += [flag, value]
         log_path = os.environ.get("EXLQ_BENCH_WORKER_LOG", "/tmp/exlq-bench-worker.log")
         self.log = open(log_path, "a")  # noqa: SIM115 - lives with the process
+        # For experiments with CPU placement, e.g. EXLQ_BENCH_WORKER_PREFIX="taskset -c 0-7".
+        prefix = os.environ.get("EXLQ_BENCH_WORKER_PREFIX", "").split()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "worker", *args],
+            [*prefix, sys.executable, "-m", "producer.cli", "worker", *args],
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -96,25 +99,31 @@ def worker_gpu_memory_gib() -> float | None:
     return max(used) / 1024 if used else None
 
 
-async def _warm_up(redis_url: str, prompts: list[list[int]]) -> None:
-    """As many short jobs as the run has, on other prompts: kernel variants compile here and
-    the prefix cache learns nothing of the real prompts."""
+async def _run_point(
+    redis_url: str,
+    warm_up: list[list[int]],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    after_warm_up: Callable[[], object],
+) -> tuple[float, float, list[list[float]], int, dict[str, list[float]]]:
+    """Times are per token event as the SDK receives it: a chunk of several tokens (text held
+    back by the generator, e.g. partial UTF-8) is one arrival. The parts of the TTFT come
+    back too: submit() returning, and the worker's own timings from the done event.
+
+    First as many short jobs as the run has, on other prompts, through the same producer:
+    kernel variants compile there, the prefix cache learns nothing of the real prompts, and
+    the producer's connections are open before the clock starts, as in a service that keeps
+    its producer."""
     async with AsyncProducer(redis_url, queue=QUEUE) as producer:
         handles = [
             await producer.submit(input_ids=ids, max_new_tokens=8, ignore_eos=True)
-            for ids in prompts
+            for ids in warm_up
         ]
         await asyncio.gather(*(h.result(timeout=600) for h in handles))
-
-
-async def _run_point(
-    redis_url: str, prompts: list[list[int]], max_new_tokens: int
-) -> tuple[float, float, list[list[float]], int]:
-    """Times are per token event as the SDK receives it: a chunk of several tokens (text held
-    back by the generator, e.g. partial UTF-8) is one arrival."""
-    async with AsyncProducer(redis_url, queue=QUEUE) as producer:
+        after_warm_up()
         times: list[list[float]] = [[] for _ in prompts]
         counts = [0] * len(prompts)
+        parts: dict[str, list[float]] = {"submit": [], "queued": [], "first_token": []}
 
         async def one(j: int, ids: list[int]) -> None:
             handle = await producer.submit(
@@ -123,11 +132,15 @@ async def _run_point(
                 ignore_eos=True,
                 sampling={"temperature": 0.0},
             )
+            parts["submit"].append(time.perf_counter() - t0)
             async for event in handle.stream():
                 if isinstance(event, TokenEvent):
                     times[j].append(time.perf_counter())
                     counts[j] += len(event.token_ids)
                 elif isinstance(event, DoneEvent):
+                    parts["queued"].append(event.timings.queued_s)
+                    if event.timings.first_token_s is not None:
+                        parts["first_token"].append(event.timings.first_token_s)
                     return
                 else:
                     raise RuntimeError(f"job {j}: {event}")
@@ -135,7 +148,7 @@ async def _run_point(
         t0 = time.perf_counter()
         await asyncio.gather(*(one(j, ids) for j, ids in enumerate(prompts)))
         t_end = time.perf_counter()
-    return t0, t_end, times, sum(counts)
+    return t0, t_end, times, sum(counts), parts
 
 
 def bench_exlq(
@@ -171,16 +184,18 @@ def bench_exlq(
             load_s = worker.wait_ready()
             for n in concurrencies:
                 prompts = random_prompt_ids(model_dir, n, prompt_tokens, seed)
-                asyncio.run(
-                    _warm_up(redis.url, random_prompt_ids(model_dir, n, prompt_tokens, seed + 1000))
+                warm_up = random_prompt_ids(model_dir, n, prompt_tokens, seed + 1000)
+                before: dict[str, float] = {}
+
+                def read_step_metrics(into: dict[str, float] = before) -> None:
+                    for name in ("count", "sum"):
+                        into[name] = worker.metric(f"exlq_engine_step_seconds_{name}")
+
+                t0, t_end, times, completion, parts = asyncio.run(
+                    _run_point(redis.url, warm_up, prompts, max_new_tokens, read_step_metrics)
                 )
-                steps_before = worker.metric("exlq_engine_step_seconds_count")
-                step_sum_before = worker.metric("exlq_engine_step_seconds_sum")
-                t0, t_end, times, completion = asyncio.run(
-                    _run_point(redis.url, prompts, max_new_tokens)
-                )
-                steps = worker.metric("exlq_engine_step_seconds_count") - steps_before
-                step_sum = worker.metric("exlq_engine_step_seconds_sum") - step_sum_before
+                steps = worker.metric("exlq_engine_step_seconds_count") - before["count"]
+                step_sum = worker.metric("exlq_engine_step_seconds_sum") - before["sum"]
                 out = _summarize(
                     system="exlq" if engine_runner == "process" else f"exlq-{engine_runner}",
                     model_dir=model_dir,
@@ -200,6 +215,12 @@ def bench_exlq(
                         "cache_tokens": cache_tokens,
                         "attention": attention,
                         "load_s": load_s,
+                        # Where the TTFT goes: the client's submit() (subscribe + enqueue),
+                        # the worker's enqueue -> start and enqueue -> first token.
+                        **{
+                            f"{name}_ms_p50": percentiles([v * 1000 for v in values], [50])[0]
+                            for name, values in parts.items()
+                        },
                         "note": "times are when the SDK received each token event (ITL per event)",
                     }
                 )

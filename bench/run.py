@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ COLUMNS = [
     ("system", "system"),
     ("concurrency", "N"),
     ("output_tokens_per_s", "tok/s"),
+    ("tok_s_range", "tok/s range"),
     ("ttft_ms_p50", "TTFT p50 ms"),
     ("ttft_ms_p99", "TTFT p99 ms"),
     ("itl_ms_p50", "ITL p50 ms"),
@@ -114,15 +116,43 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
             for n in args.concurrency
         ],
     }
-    for key in args.systems:
-        started = time.monotonic()
-        try:
-            systems[key]()
-        except Exception as exc:  # one system failing must not lose the others' figures
-            rows.append({"shape": shape, "system": key, "error": repr(exc)})
-            print(f"system {key} on {shape} failed: {exc!r}", flush=True)
-        print(f"system {key} on {shape}: {time.monotonic() - started:.0f}s", flush=True)
-    return rows
+    for repeat in range(args.repeats):
+        for key in args.systems:
+            if repeat and key not in args.repeat_systems:
+                continue
+            started = time.monotonic()
+            try:
+                systems[key]()
+            except Exception as exc:  # one system failing must not lose the others' figures
+                rows.append({"shape": shape, "system": key, "error": repr(exc)})
+                print(f"system {key} on {shape} failed: {exc!r}", flush=True)
+            print(f"system {key} on {shape}: {time.monotonic() - started:.0f}s", flush=True)
+    return merge_repeats(rows)
+
+
+def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (system, N): the run with the median tok/s, plus every run's tok/s and
+    the median of the runs' TTFT p50. Runs on these machines spread by up to 20%."""
+    merged: list[dict[str, Any]] = []
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        if "error" in row:
+            merged.append(row)
+        else:
+            groups.setdefault((row["system"], row["concurrency"]), []).append(row)
+    for runs in groups.values():
+        ranked = sorted(runs, key=lambda r: r.get("output_tokens_per_s") or 0.0)
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["runs"] = len(runs)
+        row["tok_s_runs"] = [r.get("output_tokens_per_s") or 0.0 for r in runs]
+        if len(runs) > 1:
+            row["tok_s_range"] = f"{min(row['tok_s_runs']):,.0f}-{max(row['tok_s_runs']):,.0f}"
+        ttfts = [r["ttft_ms_p50"] for r in runs if r.get("ttft_ms_p50") is not None]
+        if ttfts:
+            row["ttft_ms_p50"] = statistics.median(ttfts)
+            row["ttft_ms_p50_runs"] = ttfts
+        merged.append(row)
+    return merged
 
 
 def _fmt(value: Any) -> str:
@@ -137,9 +167,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"GPU: {meta['gpu']}, measured copy bandwidth {meta['bandwidth_tb_s']:.2f} TB/s; "
         f"{meta['date']}; prompt {meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new "
-        f"tokens, EOS ignored, greedy; cache {meta['cache_tokens']} tokens. ITL is per token "
-        "for the bare generator and transformers, per event as the client receives it for "
-        "exlq and the websocket server (a chunk of held-back tokens is one event).",
+        f"tokens, EOS ignored, greedy; cache {meta['cache_tokens']} tokens. TTFT and ITL are "
+        "per event as the caller receives it for the bare generator, exlq and the websocket "
+        "server (exllamav2 holds back text that ends in partial UTF-8, so a chunk of several "
+        "tokens is one event), per token for transformers.",
         f"Command: `{meta['command']}`",
         "",
     ]
@@ -165,9 +196,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
     by = {(r["system"], r["concurrency"]): r for r in rows}
     out = [
-        "| N | exlq / bare tok/s | exlq added TTFT p50 ms | exlq / websocket | "
-        "exlq / transformers |",
-        "|---|---|---|---|---|",
+        "| N | exlq / bare tok/s | paired runs: median (range) | exlq added TTFT p50 ms | "
+        "exlq / websocket | exlq / transformers |",
+        "|---|---|---|---|---|---|",
     ]
     for n in sorted({r["concurrency"] for r in rows}):
         exlq = by.get(("exlq", n))
@@ -191,8 +222,22 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
             if bare and bare.get("ttft_ms_p50") is not None
             else None
         )
-        out.append(f"| {n} | {ratios[0]} | {_fmt(added)} | {ratios[1]} | {ratios[2]} |")
+        out.append(
+            f"| {n} | {ratios[0]} | {paired_ratio(exlq, bare)} | {_fmt(added)} | {ratios[1]} | "
+            f"{ratios[2]} |"
+        )
     return out
+
+
+def paired_ratio(exlq: dict[str, Any], bare: dict[str, Any] | None) -> str:
+    """exlq / bare of runs made back to back (run i of each), which cancels the drift of the
+    machine between runs; the median and range of those ratios."""
+    if bare is None or exlq.get("runs", 1) < 2 or exlq.get("runs") != bare.get("runs"):
+        return "-"
+    ratios = [e / b for e, b in zip(exlq["tok_s_runs"], bare["tok_s_runs"], strict=True) if b and e]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def main() -> None:
@@ -203,6 +248,8 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--cache-tokens", type=int, default=65536)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each point, alternating")
+    ap.add_argument("--repeat-systems", default="ab", help="systems that repeat")
     ap.add_argument("--ws-window-s", type=float, default=20.0)
     ap.add_argument("--sampling-threads", type=int, default=1, help="for (a) and (b) alike")
     ap.add_argument("--engine-runner", default="process", help="(b): process or thread")

@@ -62,6 +62,11 @@ class EngineProcess:
             raise EngineUnavailable(str(payload))
         self.name, self.capacity, self.attention = payload
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id, once started (for profilers and CPU pinning)."""
+        return self._process.pid
+
     def start(self, report: ReportSink) -> None:
         self._reader = threading.Thread(
             target=self._relay, args=(report,), name="exlq-engine-reports", daemon=True
