@@ -270,6 +270,7 @@ class _StepLog:
         return {
             "steps": len(self.step_ms),
             "step_ms_median": percentiles(self.step_ms, [50])[0],
+            "step_ms_mean": sum(self.step_ms) / len(self.step_ms) if self.step_ms else None,
             "decode_steps": len(self.decode_step_ms),
             "decode_step_ms_median": percentiles(self.decode_step_ms, [50])[0],
             "decode_step_ms_p99": percentiles(self.decode_step_ms, [99])[0],

@@ -74,7 +74,8 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
 
     def record(row: dict[str, Any]) -> None:
         row.update(shape=shape, floor_ms=floor_ms)
-        row["step_ms"] = row.get("decode_step_ms_median") or row.get("step_ms_mean")
+        # Mean over every step, prefill steps included: what the worker's metric gives for exlq.
+        row["step_ms"] = row.get("step_ms_mean")
         rows.append(row)
         print(json.dumps({k: row.get(k) for k, _ in COLUMNS} | {"shape": shape}), flush=True)
 
@@ -170,7 +171,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"tokens, EOS ignored, greedy; cache {meta['cache_tokens']} tokens. TTFT and ITL are "
         "per event as the caller receives it for the bare generator, exlq and the websocket "
         "server (exllamav2 holds back text that ends in partial UTF-8, so a chunk of several "
-        "tokens is one event), per token for transformers.",
+        "tokens is one event), per token for transformers. ms/step is the mean over every "
+        "generator step, prefill steps included. With repeats, tok/s is the median run's.",
         f"Command: `{meta['command']}`",
         "",
     ]
