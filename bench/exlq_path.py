@@ -115,10 +115,11 @@ async def _run_point(
     the producer's connections are open before the clock starts, as in a service that keeps
     its producer."""
     async with AsyncProducer(redis_url, queue=QUEUE) as producer:
-        handles = [
-            await producer.submit(input_ids=ids, max_new_tokens=8, ignore_eos=True)
-            for ids in warm_up
-        ]
+        # Submitted at once, as the run does, so the producer's pool holds as many open
+        # connections as the run will use.
+        handles = await asyncio.gather(
+            *(producer.submit(input_ids=ids, max_new_tokens=8, ignore_eos=True) for ids in warm_up)
+        )
         await asyncio.gather(*(h.result(timeout=600) for h in handles))
         after_warm_up()
         times: list[list[float]] = [[] for _ in prompts]
