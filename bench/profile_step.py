@@ -19,11 +19,15 @@ from typing import Any
 from bench.baselines import random_prompt_ids
 
 
-def build(model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int) -> Any:
+def build(
+    model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int, graphs: bool,
+    gpu_sampling: bool,
+) -> Any:  # fmt: skip
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exllamav2.generator import ExLlamaV2DynamicGenerator
 
     from worker.engines.exllamav2_attention import install_attention
+    from worker.engines.exllamav2_generator import ExlqDynamicGenerator
 
     install_attention("exlq")
     config = ExLlamaV2Config(model_dir)
@@ -31,7 +35,8 @@ def build(model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int
     model = ExLlamaV2(config)
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
-    generator = ExLlamaV2DynamicGenerator(
+    generator_class = ExlqDynamicGenerator if gpu_sampling else ExLlamaV2DynamicGenerator
+    generator = generator_class(
         model=model,
         cache=cache,
         tokenizer=ExLlamaV2Tokenizer(config),
@@ -40,6 +45,10 @@ def build(model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int
         max_sampling_threads=threads,
     )
     generator.warmup()
+    if graphs:
+        from worker.engines.exllamav2_graphs import install_decode_graphs
+
+        assert install_decode_graphs(generator, jobs) is not None
     return model, generator
 
 
@@ -69,7 +78,10 @@ def fill(
 def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    model, generator = build(model_dir, jobs, args.cache_tokens, args.chunk, args.sampling_threads)
+    model, generator = build(
+        model_dir, jobs, args.cache_tokens, args.chunk, args.sampling_threads, args.graphs,
+        args.gpu_sampling,
+    )  # fmt: skip
     fill(generator, model_dir, jobs, args.prompt_tokens, args.max_new_tokens)
     walls = []
     for _ in range(args.steps):
@@ -78,13 +90,24 @@ def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, An
         generator.iterate()
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - started) * 1000)
+    if not args.profile:
+        generator.clear_queue()
+        model.unload()
+        return {
+            "jobs": jobs,
+            "graphs": args.graphs,
+            "gpu_sampling": args.gpu_sampling,
+            "step_ms_median": statistics.median(walls),
+        }
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
         generator.iterate()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:
@@ -120,15 +143,24 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--sampling-threads", type=int, default=16, help="exllamav2's default: 16")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--graphs", action="store_true", help="decode from CUDA graphs")
+    ap.add_argument("--gpu-sampling", action="store_true", help="exlq's generator")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="step times only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = [profile(args.model, int(n), args) for n in args.jobs.split(",")]
     for r in results:
+        if "gpu_ms_per_step" not in r:
+            print(
+                f"== {r['jobs']} jobs, graphs {r['graphs']}, GPU sampling {r['gpu_sampling']}: "
+                f"{r['step_ms_median']:.2f} ms/step"
+            )
+            continue
         print(
             f"== {r['jobs']} jobs, cache {r['cache_tokens']}: {r['step_ms_median']:.2f} ms/step "
             f"wall, {r['gpu_ms_per_step']:.2f} ms GPU"
         )
-        print(r["python_top"][:6000])
+        print(r["python_top"][:12000])
         print(r["gpu_top"])
         print(r["cpu_top"])
     if args.out:

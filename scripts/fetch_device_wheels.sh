@@ -19,6 +19,9 @@ PY="${PYTHON:-python3}"
 
 # name==version, one per line. Dependencies are listed explicitly (--no-deps).
 WHEELS=(
+    # the engine: pure Python; its CUDA extension compiles on first import
+    # (scripts/device_prepare.sh carries the build between calls in .devcache/)
+    "exllamav2==0.3.2"
     # producer side
     "redis==8.1.0"
     "pydantic==2.14.3"

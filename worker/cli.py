@@ -31,6 +31,16 @@ EchoRate = Annotated[
 SamplingThreads = Annotated[
     int | None, typer.Option("--sampling-threads", help="exllamav2 sampling threads")
 ]
+CudaGraphs = Annotated[
+    bool | None,
+    typer.Option("--cuda-graphs/--no-cuda-graphs", help="replay decode steps from CUDA graphs"),
+]
+GpuSampling = Annotated[
+    bool | None,
+    typer.Option(
+        "--gpu-sampling/--no-gpu-sampling", help="sample on the GPU where the settings allow"
+    ),
+]
 Runner = Annotated[str | None, typer.Option("--engine-runner", help="process (default) or thread")]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
 
@@ -63,6 +73,8 @@ def worker(
     echo_tokens_per_second: EchoRate = None,
     engine_runner: Runner = None,
     sampling_threads: SamplingThreads = None,
+    cuda_graphs: CudaGraphs = None,
+    gpu_sampling: GpuSampling = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve a queue from a running Redis (EXLQ_* variables work too)."""
@@ -82,6 +94,8 @@ def worker(
         echo_tokens_per_second=echo_tokens_per_second,
         engine_runner=engine_runner,
         sampling_threads=sampling_threads,
+        cuda_graphs=cuda_graphs,
+        gpu_sampling=gpu_sampling,
         log_level=log_level,
     )
     raise typer.Exit(run_worker(settings))
@@ -100,6 +114,7 @@ def up(
     max_batch_size: Batch = None,
     cache_tokens: CacheTokens = None,
     attention: Attention = None,
+    cuda_graphs: CudaGraphs = None,
     metrics_port: MetricsPort = None,
     echo_tokens_per_second: EchoRate = None,
     log_level: LogLevel = None,
@@ -117,6 +132,7 @@ def up(
         max_batch_size=max_batch_size,
         cache_tokens=cache_tokens,
         attention=_attention(attention),
+        cuda_graphs=cuda_graphs,
         metrics_port=metrics_port,
         echo_tokens_per_second=echo_tokens_per_second,
         log_level=log_level,

@@ -41,6 +41,12 @@ class WorkerSettings(BaseSettings):
     engine_runner: EngineRunnerChoice = Field(
         "process", description="run the engine in a process of its own, or on a thread"
     )
+    cuda_graphs: bool = Field(
+        True, description="replay the decode step from CUDA graphs (fp16 models, one GPU)"
+    )
+    gpu_sampling: bool = Field(
+        True, description="sample greedy/temperature/top_k/min_p jobs on the GPU in one batch"
+    )
     sampling_threads: int = Field(
         1, ge=1, le=64, description="exllamav2 sampling threads; 1 measured fastest"
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from producer.protocol import (
     FinishReason,
@@ -31,6 +31,9 @@ from worker.engines.base import (
 )
 from worker.engines.chat_template import ChatFormatter
 from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from worker.engines.exllamav2_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,8 @@ class ExLlamaV2Engine(Engine):
         from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
         from exllamav2.generator import ExLlamaV2DynamicGenerator
 
+        from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+
         assert settings.model is not None
         self._torch = torch
         self.attention = attention
@@ -96,7 +101,10 @@ class ExLlamaV2Engine(Engine):
         self.model.load_autosplit(self.cache, progress=False)
         self.tokenizer = ExLlamaV2Tokenizer(config)
         chunk = min(settings.max_chunk_size, config.max_input_len)
-        self.generator = ExLlamaV2DynamicGenerator(
+        generator_class = (
+            ExlqDynamicGenerator if settings.gpu_sampling else ExLlamaV2DynamicGenerator
+        )
+        self.generator = generator_class(
             model=self.model,
             cache=self.cache,
             tokenizer=self.tokenizer,
@@ -106,6 +114,11 @@ class ExLlamaV2Engine(Engine):
             max_sampling_threads=settings.sampling_threads,
         )
         self.generator.warmup()
+        self.graphs: DecodeGraphs | None = None
+        if settings.cuda_graphs:
+            from worker.engines.exllamav2_graphs import install_decode_graphs
+
+            self.graphs = install_decode_graphs(self.generator, self.capacity)
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)
         self.chat = ChatFormatter(
             settings.model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
@@ -113,11 +126,14 @@ class ExLlamaV2Engine(Engine):
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
         log.info(
-            "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s",
+            "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
+            "sampling on the %s",
             settings.model.name,
             cache_tokens,
             self.capacity,
             attention,
+            "on" if self.graphs else "off",
+            "GPU where it can" if settings.gpu_sampling else "CPU",
         )
 
     # -- jobs ---------------------------------------------------------------------------
@@ -268,4 +284,6 @@ class ExLlamaV2Engine(Engine):
 
     def close(self) -> None:
         self.generator.clear_queue()
+        if self.graphs is not None:
+            self.graphs.uninstall()
         self.model.unload()

@@ -1,0 +1,123 @@
+"""Decode steps replayed from CUDA graphs compute what exllamav2's own forward pass computes."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+# Ragged on purpose: one page, several pages, a page boundary crossed mid-generation, and
+# jobs ending at different steps so the batch shrinks through several captured sizes.
+PROMPT_TOKENS = [5, 100, 300, 600, 250, 40, 511]
+NEW_TOKENS = [20, 33, 40, 12, 25, 30, 9]
+
+
+def _load(model_dir: Path, max_batch: int) -> tuple[Any, Any]:
+    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+    from worker.engines.exllamav2_attention import install_attention
+
+    install_attention("exlq")
+    config = ExLlamaV2Config(str(model_dir))
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, max_seq_len=8192, lazy=True)
+    model.load_autosplit(cache, progress=False)
+    generator = ExLlamaV2DynamicGenerator(
+        model, cache, ExLlamaV2Tokenizer(config), max_batch_size=max_batch, paged=True
+    )
+    return model, generator
+
+
+def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
+    """Greedy tokens and their logits per job, all jobs batched together."""
+    import torch
+    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    rng = torch.Generator().manual_seed(1)
+    for i, (prompt, new) in enumerate(zip(PROMPT_TOKENS, NEW_TOKENS, strict=True)):
+        ids = torch.randint(3, 32000, (1, prompt), generator=rng)
+        generator.enqueue(
+            ExLlamaV2DynamicJob(
+                input_ids=ids,
+                max_new_tokens=new,
+                stop_conditions=[],
+                gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                return_logits=True,
+                identifier=i,
+            )
+        )
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPT_TOKENS))}
+    logits: dict[int, list[Any]] = {i: [] for i in range(len(PROMPT_TOKENS))}
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result.get("stage") == "streaming" and "token_ids" in result:
+                tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
+                logits[result["identifier"]].append(result["logits"][0].float().cpu())
+    return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
+
+
+def test_graph_replay_matches_the_eager_forward_pass(model_dir: Path) -> None:
+    from worker.engines.exllamav2_graphs import DecodeGraphs
+
+    model, generator = _load(model_dir, max_batch=8)
+    try:
+        eager = _generate(generator)
+        max_pages = -(-generator.max_seq_len // generator.page_size)
+        graphs = DecodeGraphs(model, generator.cache, max_batch=8, max_pages=max_pages)
+        seconds = graphs.capture()
+        graphs.install()
+        generator.reset_page_table()
+        replayed = _generate(generator)
+    finally:
+        model.unload()
+    assert graphs.replays >= max(NEW_TOKENS) - 1, "decode steps did not go through the graphs"
+    worst = 0.0
+    for i, (want_tokens, want_logits) in eager.items():
+        got_tokens, got_logits = replayed[i]
+        assert len(got_tokens) == NEW_TOKENS[i]
+        # Up to the first differing token both runs saw the same inputs, so the logits must
+        # agree; a token may differ only where the top two logits are a near tie.
+        same = next(
+            (t for t, (a, b) in enumerate(zip(want_tokens, got_tokens, strict=True)) if a != b),
+            len(want_tokens),
+        )
+        upto = min(same + 1, len(want_tokens))
+        diff = (want_logits[:upto] - got_logits[:upto]).abs().max().item()
+        worst = max(worst, diff)
+        assert diff <= 2e-2, f"job {i}: logits differ by {diff}"
+        if same < len(want_tokens):
+            top2 = want_logits[same].topk(2).values
+            assert (top2[0] - top2[1]).item() <= 2 * diff, f"job {i}: token {same} differs"
+    print(
+        f"\ndecode graphs: {len(graphs._graphs)} sizes captured in {seconds:.2f}s, "
+        f"{graphs.replays} replays, max abs logit diff vs eager {worst:.3g}"
+    )
+
+
+def test_generator_still_makes_the_decode_call_the_graphs_replace(cuda: None) -> None:
+    """Fails loudly if exllamav2 changes the forward_chunk call that graphs stand in for."""
+    from exllamav2.attn import ExLlamaV2Attention
+    from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+    from worker.engines.exllamav2_graphs import _DECODE_KWARGS
+
+    source = inspect.getsource(ExLlamaV2DynamicGenerator.iterate_gen)
+    call = re.search(r"self\.model\.forward_chunk\((.*?)\n\s*\)", source, re.S)
+    assert call, "iterate_gen no longer calls self.model.forward_chunk"
+    keywords = set(re.findall(r"(\w+)\s*=", call.group(1)))
+    assert keywords == {"input_ids", *_DECODE_KWARGS}, keywords
+    params = inspect.signature(ExLlamaV2Attention.PagedParams.__init__).parameters
+    assert {"block_index", "cache_seqlens", "page_size", "q_len"} <= params.keys()
+    paged = inspect.getsource(ExLlamaV2Attention.forward_paged)
+    assert "attn_params.is_sequential" in paged
+    assert "get_cache_seqlens(self.device_idx)" in paged

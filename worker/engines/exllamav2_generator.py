@@ -1,0 +1,205 @@
+"""exllamav2's dynamic generator with its decode step's sampling moved to the GPU.
+
+ExLlamaV2DynamicGenerator.iterate_gen copies the whole step's logits to the host and samples
+every job on the CPU, one after another, while the GPU idles: at 64 jobs that was a third of
+the step (docs/PERFORMANCE.md). ExlqDynamicGenerator overrides iterate_gen for the plain
+(no draft model) decode step: jobs whose sampling worker/kernels/sampling.py implements are
+sampled there in one batch, the rest exactly as exllamav2 does, and every job then goes
+through exllamav2's own receive_sample (stop conditions, held text, page hashing). The method
+follows exllamav2 0.3.2's iterate_gen line for line otherwise; tests/gpu/
+test_gpu_sampling.py checks the hook points and that greedy output does not change.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from exllamav2.ext import none_tensor
+from exllamav2.generator import ExLlamaV2DynamicGenerator
+from exllamav2.util import cuda_sync_active
+
+from worker.kernels.sampling import sample_rows
+
+
+def gpu_sampleable(job: Any) -> bool:
+    """True when this step of `job` needs nothing but temperature, top_k and min_p."""
+    s = job.gen_settings
+    blocked = (job.checkpoint and job.checkpoint["offset"] == 0) or (
+        job.new_tokens < job.min_new_tokens
+    )
+    return (
+        job.new_tokens >= 0  # token healing samples from a prefix-restricted set
+        and not blocked
+        and not job.filters
+        and len(job.sequences) == 1  # CFG runs two
+        and not job.return_logits
+        and not job.return_top_tokens
+        and s.cfg_scale is None
+        and s.token_repetition_penalty == 1.0
+        and s.token_frequency_penalty == 0.0
+        and s.token_presence_penalty == 0.0
+        and s.token_bias is None
+        and s.dry_multiplier == 0.0
+        and s.xtc_probability == 0.0
+        and not s.mirostat
+        and not s.post_sampling_hooks
+        and not s.temperature_last
+        and s.smoothing_factor == 0.0
+        and s.skew == 0.0
+        and not s.max_temp > s.min_temp
+        and s.top_a == 0.0
+        and not 0.0 < s.top_p < 1.0
+        and not 0.0 < s.tfs < 1.0
+        and not 0.0 < s.typical < 1.0
+    )
+
+
+class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
+    """ExLlamaV2DynamicGenerator whose decode step samples eligible jobs on the GPU."""
+
+    logits_pinned: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gpu_sampled = 0
+        self.cpu_sampled = 0
+        # exllamav2 allocates this buffer in pageable memory despite its name; pinned, the
+        # copy of a step's logits for the CPU sampler runs about three times faster.
+        shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
+        self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def iterate_gen(self, results: list[Any], draft_tokens: Any = None) -> None:
+        if draft_tokens is not None:
+            super().iterate_gen(results, draft_tokens)
+            return
+        jobs = [job for job in self.active_jobs if job.is_prefill_done()]
+        if not jobs:
+            return
+        device_logits = self._forward(jobs)
+        if self.filter_queue:
+            for f, p in self.filter_queue:
+                if p:
+                    f.background_prepare_logit_mask(self.filter_pool)
+                else:
+                    f.background_next(self.filter_pool)
+            self.filter_queue.clear()
+        completed = self._sample_and_accept(jobs, device_logits, results)
+        num_jobs = self.num_remaining_jobs()
+        for job in completed:
+            job.deallocate_pages()
+            self.active_jobs.remove(job)
+        if num_jobs and not self.num_remaining_jobs():
+            self.defrag_cache()
+
+    def _forward(self, jobs: list[Any]) -> Any:
+        """One decode forward pass over `jobs` (one row each): device logits (rows, 1, vocab)."""
+        batch_size = sum(len(job.sequences) for job in jobs)
+        max_seq_len = max(job.get_max_seq_len() for job in jobs)
+        max_pages_batch = (max_seq_len + self.page_size - 1) // self.page_size
+        block_index = torch.zeros((batch_size, max_pages_batch), dtype=torch.int32)
+        cache_seqlens = torch.zeros((batch_size,), dtype=torch.int32)
+        row = 0
+        for job in jobs:
+            for seq in job.sequences:
+                seq_block_index = job.get_block_index(seq, len(seq.sequence_ids))
+                block_index[row, : seq_block_index.shape[-1]].copy_(seq_block_index)
+                cache_seqlens[row] = seq.kv_position
+                row += 1
+        input_ids_list: list[Any] = []
+        active_embeddings: list[Any] = []
+        mrope = self.model.config.arch.lm.mrope
+        rope_offsets_list: list[Any] | None = [] if mrope else None
+        for job in jobs:
+            if job.time_first_token is None:
+                cuda_sync_active()
+                job.time_first_token = time.time()
+            job_ids = job.get_input_ids_list(add_to_cache=True)
+            input_ids_list += job_ids
+            active_embeddings += job.embeddings
+            if rope_offsets_list is not None:
+                rope_offsets_list += [job.alt_rope_offset] * len(job_ids)
+        batch_ids = torch.cat(input_ids_list, dim=0)
+        attn_params = self.get_paged_params(
+            batch_size,
+            block_index,
+            cache_seqlens,
+            batch_ids.shape[-1],
+            rope_offsets=(
+                torch.tensor(rope_offsets_list, dtype=torch.int)
+                if rope_offsets_list is not None
+                else None
+            ),
+        )
+        return self.model.forward_chunk(
+            input_ids=batch_ids,
+            attn_params=attn_params,
+            cache=self.cache,
+            loras=self.current_loras,
+            indexed_embeddings=active_embeddings,
+        )["logits"]
+
+    def _sample_and_accept(
+        self, jobs: list[Any], device_logits: Any, results: list[Any]
+    ) -> list[Any]:
+        """Sample a token for every job (GPU where it can, else exllamav2's CPU sampler) and
+        hand it to the job; returns the jobs that ended."""
+        rows, row = [], 0  # each job's first row; a CFG job has two
+        for job in jobs:
+            rows.append(row)
+            row += len(job.sequences)
+        on_gpu = [gpu_sampleable(job) for job in jobs]
+        gpu_jobs = [i for i, ok in enumerate(on_gpu) if ok]
+        sampled: dict[int, tuple[Any, Any]] = {}
+        if gpu_jobs:
+            sampled = self._sample_on_gpu(
+                jobs, gpu_jobs, [rows[i] for i in gpu_jobs], device_logits
+            )
+        host_logits = None
+        if len(gpu_jobs) < len(jobs):
+            host_logits = self.logits_pinned[: device_logits.shape[0], : device_logits.shape[1], :]
+            host_logits.copy_(device_logits, non_blocking=False)
+        completed = []
+        for i, job in enumerate(jobs):
+            if i in sampled:
+                token, prob = sampled[i]
+                eos, _ = job.receive_sample(
+                    None, token, none_tensor, none_tensor, prob, False, results, True
+                )
+            else:
+                assert host_logits is not None
+                job_logits = host_logits[rows[i] : rows[i] + len(job.sequences), :1, :]
+                token, k_tokens, k_probs, prob, filter_eos = job.receive_logits(job_logits)
+                eos, _ = job.receive_sample(
+                    job_logits, token, k_tokens, k_probs, prob, filter_eos, results, True
+                )
+            if eos:
+                completed.append(job)
+        self.gpu_sampled += len(gpu_jobs)
+        self.cpu_sampled += len(jobs) - len(gpu_jobs)
+        return completed
+
+    def _sample_on_gpu(
+        self, jobs: list[Any], indices: list[int], rows: list[int], device_logits: Any
+    ) -> dict[int, tuple[Any, Any]]:
+        if len(rows) == device_logits.shape[0]:
+            logits = device_logits[:, 0, :]
+        else:
+            index = torch.tensor(rows, dtype=torch.long).to(device_logits.device)
+            logits = device_logits[:, 0, :].index_select(0, index)
+        settings = [jobs[i].gen_settings for i in indices]
+        tokens, probs = sample_rows(
+            logits,
+            temperature=[s.temperature for s in settings],
+            top_k=[s.top_k for s in settings],
+            min_p=[s.min_p for s in settings],
+            # One draw per job and step from the job's own generator, as exllamav2 does,
+            # so a seeded job repeats itself.
+            uniform=[jobs[i].rng.random() for i in indices],
+            vocab_size=self.tokenizer.get_vocab_size(),
+        )
+        return {
+            i: (torch.tensor([[t]], dtype=torch.long), torch.tensor([[p]], dtype=torch.float))
+            for i, t, p in zip(indices, tokens, probs, strict=True)
+        }

@@ -1,0 +1,237 @@
+"""CUDA graphs for exllamav2's decode step: one captured forward pass per batch size.
+
+exllamav2 captures CUDA graphs only for quantized (EXL2) weights. With fp16 weights every
+decode step launches ten-odd kernels per layer from Python, and at the batch sizes a worker
+runs that host time, not the GPU, sets the step time (docs/PERFORMANCE.md). The dynamic
+generator's decode call has one shape per batch size (one new token per job, paged attention
+through a block table), so it is captured once per batch size at start-up and replayed. What
+varies between steps (the new tokens' embeddings, the block table, the sequence lengths) is
+copied into static buffers the graphs read.
+
+Pinned to exllamav2 0.3.2 like the attention hook: `check_graph_points` refuses a version
+whose decode call or paged parameters moved, and tests/gpu/test_decode_graphs.py checks that
+replayed steps give the same tokens and logits as exllamav2's own forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The keyword arguments ExLlamaV2DynamicGenerator.iterate_gen passes to forward_chunk for a
+# decode step. A call with any other argument set (prefill's preprocess_only, position
+# offsets, an abort event, ...) runs eagerly.
+_DECODE_KWARGS = frozenset({"attn_params", "cache", "loras", "indexed_embeddings"})
+
+
+def graphs_unsupported_reason(model: Any, cache: Any) -> str | None:
+    """Why decode graphs cannot serve this model and cache, or None when they can."""
+    from exllamav2 import ExLlamaV2Cache
+
+    if type(cache) is not ExLlamaV2Cache:
+        return f"the cache is {type(cache).__name__}, not the fp16 ExLlamaV2Cache"
+    if getattr(model, "tp_context", None) is not None:
+        return "the model is split by tensor parallelism"
+    layers = model.modules[1:]
+    if any(getattr(m, "q_handle", None) is not None for m in layers):
+        return "the weights are quantized (exllamav2 runs its own graphs for those)"
+    devices = {m.device_idx for m in layers}
+    if len(devices) != 1 or devices == {None} or -1 in devices:
+        return f"the layers sit on more than one device ({sorted(map(str, devices))})"
+    return None
+
+
+class DecodeGraphs:
+    """Stands in for `model.forward_chunk`: replays a captured graph for decode calls of up
+    to `max_batch` jobs whose block table is at most `max_pages` wide; every other call goes
+    to exllamav2's own forward pass."""
+
+    def __init__(self, model: Any, cache: Any, max_batch: int, max_pages: int) -> None:
+        import torch
+        from exllamav2.attn import ExLlamaV2Attention
+        from exllamav2.device import get_device_stream, set_device_streams
+
+        reason = graphs_unsupported_reason(model, cache)
+        if reason is not None:
+            raise ValueError(f"decode graphs cannot serve this model: {reason}")
+        self._torch = torch
+        self._paged_params = ExLlamaV2Attention.PagedParams
+        self._set_streams = set_device_streams
+        self.model = model
+        self.cache = cache
+        self.max_batch = max_batch
+        self.max_pages = max_pages
+        self._eager = model.forward_chunk
+        self._embedding = model.modules[0]
+        self._layers = model.modules[1:]
+        device_idx = self._layers[0].device_idx
+        self._device = torch.device("cuda", device_idx)
+        set_device_streams()
+        self._stream = get_device_stream(device_idx) or torch.cuda.current_stream(self._device)
+        self._page_size = 256  # exllamav2's PAGED_PAGE_SIZE, checked against the generator
+        self._graphs: dict[int, Any] = {}
+        self._params: dict[int, Any] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        probe = self._embedding.forward(torch.zeros((1, 1), dtype=torch.long))
+        hidden_shape = (max_batch, 1, probe.shape[-1])
+        on_gpu = {"device": self._device}
+        self._hidden = torch.zeros(hidden_shape, dtype=probe.dtype, **on_gpu)
+        self._block_index = torch.zeros((max_batch, max_pages), dtype=torch.int32, **on_gpu)
+        self._seqlens = torch.zeros((max_batch,), dtype=torch.int32, **on_gpu)
+        # Staging in pinned memory, so the copies to the GPU are asynchronous; `_copied` marks
+        # when the GPU has read them, before the next step may overwrite them.
+        self._stage_hidden = torch.zeros(hidden_shape, dtype=probe.dtype).pin_memory()
+        self._stage_block_index = torch.zeros((max_batch, max_pages), dtype=torch.int32)
+        self._stage_block_index = self._stage_block_index.pin_memory()
+        self._stage_seqlens = torch.zeros((max_batch,), dtype=torch.int32).pin_memory()
+        self._copied = torch.cuda.Event()
+        self._copied.record(self._stream)
+        self._logits: Any = None
+        self.replays = 0
+
+    # -- capture ------------------------------------------------------------------------
+
+    def capture(self, batch_sizes: list[int] | None = None) -> float:
+        """Capture a graph per batch size (default 1..max_batch); returns the seconds taken.
+
+        Call before any job runs: each size's warm-up pass writes keys and values for its
+        rows into page 0 at position 0, which no live sequence may hold yet.
+        """
+        torch = self._torch
+        started = time.perf_counter()
+        sizes = sorted(batch_sizes or range(1, self.max_batch + 1), reverse=True)
+        with torch.inference_mode(), torch.cuda.device(self._device):
+            for size in sizes:
+                self._capture_one(size)
+        torch.cuda.synchronize(self._device)
+        return time.perf_counter() - started
+
+    def _capture_one(self, batch: int) -> None:
+        torch = self._torch
+        params = self._static_params(batch)
+        with torch.cuda.stream(self._stream):
+            # Warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture.
+            logits = self._layers_forward(self._hidden[:batch], params)
+            if self._logits is None:
+                self._logits = torch.empty(
+                    (self.max_batch, *logits.shape[1:]), dtype=logits.dtype, device=self._device
+                )
+            self._logits[:batch].copy_(logits)
+        self._stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            logits = self._layers_forward(self._hidden[:batch], params)
+            self._logits[:batch].copy_(logits)
+        self._graphs[batch] = graph
+        self._params[batch] = params
+
+    def _static_params(self, batch: int) -> Any:
+        torch = self._torch
+        params = self._paged_params(
+            batch_size=batch,
+            block_index=torch.zeros((batch, self.max_pages), dtype=torch.int32),
+            cache_seqlens=torch.zeros((batch,), dtype=torch.int32),
+            max_cache_seqlen=0,
+            page_size=self._page_size,
+            q_len=1,
+        )
+        # One job whose pages happen to be consecutive gets exllamav2's "sequential" path,
+        # which slices the cache at host-side offsets; a graph must take the block table.
+        params.is_sequential = False
+        params.block_index = self._block_index[:batch]
+        params.cache_seqlens = self._seqlens[:batch]
+        return params
+
+    def _layers_forward(self, hidden: Any, params: Any) -> Any:
+        """Every module after the embedding, as forward_chunk runs them for a decode step."""
+        x = hidden
+        for module in self._layers:
+            x = module.forward(x, cache=self.cache, attn_params=params, past_len=0, loras=None)
+        config = self.model.config
+        if config.final_logit_softcapping:
+            from exllamav2.ext import exllamav2_ext as ext_c
+
+            ext_c.softcap_(x, config.final_logit_softcapping)
+        padding = self._layers[-1].padding
+        if padding > 0:
+            x[:, :, -padding:] = -65504.0
+        return x
+
+    # -- replay -------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Route the model's forward_chunk through this object (an instance attribute)."""
+        self.model.forward_chunk = self.forward_chunk
+
+    def uninstall(self) -> None:
+        self.model.__dict__.pop("forward_chunk", None)
+
+    def forward_chunk(self, input_ids: Any, **kwargs: Any) -> Any:
+        graph = self._graph_for(input_ids, kwargs)
+        if graph is None:
+            return self._eager(input_ids, **kwargs)
+        return self._replay(graph, input_ids, kwargs["attn_params"])
+
+    def _graph_for(self, input_ids: Any, kwargs: dict[str, Any]) -> Any:
+        if not kwargs.keys() <= _DECODE_KWARGS or kwargs.get("cache") is not self.cache:
+            return None
+        if kwargs.get("loras") or kwargs.get("indexed_embeddings"):
+            return None
+        params = kwargs.get("attn_params")
+        if not isinstance(params, self._paged_params) or params.page_size != self._page_size:
+            return None
+        if params.alt_rope_embed or params.rope_offsets is not None:
+            return None
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            return None
+        if params.block_index.shape[1] > self.max_pages:
+            return None
+        return self._graphs.get(int(input_ids.shape[0]))
+
+    def _replay(self, graph: Any, input_ids: Any, params: Any) -> dict[str, Any]:
+        batch = int(input_ids.shape[0])
+        width = int(params.block_index.shape[1])
+        hidden = self._embedding.forward(input_ids)
+        self._copied.synchronize()
+        self._stage_hidden[:batch].copy_(hidden)
+        self._stage_block_index[:batch, :width].copy_(params.block_index)
+        if width < self.max_pages:
+            self._stage_block_index[:batch, width:].zero_()
+        self._stage_seqlens[:batch].copy_(params.cache_seqlens)
+        self._set_streams()
+        with self._torch.cuda.stream(self._stream):
+            self._hidden[:batch].copy_(self._stage_hidden[:batch], non_blocking=True)
+            self._block_index[:batch].copy_(self._stage_block_index[:batch], non_blocking=True)
+            self._seqlens[:batch].copy_(self._stage_seqlens[:batch], non_blocking=True)
+            self._copied.record(self._stream)
+            graph.replay()
+        self.replays += 1
+        return {"logits": self._logits[:batch]}
+
+
+def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None:
+    """Capture decode graphs for `generator`'s model, or say in the log why not."""
+    model, cache = generator.model, generator.cache
+    reason = graphs_unsupported_reason(model, cache)
+    if reason is not None:
+        log.info("CUDA graphs off: %s", reason)
+        return None
+    if generator.page_size != 256 or not generator.paged:
+        log.info("CUDA graphs off: the generator is not in paged mode")
+        return None
+    max_pages = -(-generator.max_seq_len // generator.page_size)
+    graphs = DecodeGraphs(model, cache, max_batch, max_pages)
+    seconds = graphs.capture()
+    graphs.install()
+    # The warm-up passes wrote into page 0: forget any page the generator might reuse.
+    generator.reset_page_table()
+    log.info(
+        "CUDA graphs on: decode captured for batch sizes 1..%d (block table %d pages) in %.1f s",
+        max_batch,
+        max_pages,
+        seconds,
+    )
+    return graphs
