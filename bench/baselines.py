@@ -285,10 +285,17 @@ def _exl_load(
     paged: bool,
     max_chunk_size: int | None,
     sampling_threads: int = 16,
+    exlq_decode: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """Model (lazy, then load_autosplit with its cache), cache of cache_tokens, generator."""
+    """Model (lazy, then load_autosplit with its cache), cache of cache_tokens, generator:
+    exllamav2's own, or with exlq_decode the class exlq's engine runs (GPU sampling)."""
     exl = importlib.import_module("exllamav2")
     exl_gen = importlib.import_module("exllamav2.generator")
+    generator_class = exl_gen.ExLlamaV2DynamicGenerator
+    if exlq_decode:
+        generator_class = importlib.import_module(
+            "worker.engines.exllamav2_generator"
+        ).ExlqDynamicGenerator
     config = exl.ExLlamaV2Config(str(model_dir))
     # The generator asserts max_batch_size * max_q_size (8) <= cfg.max_batch_size * max_input_len.
     config.max_batch_size = max(
@@ -298,7 +305,7 @@ def _exl_load(
     cache = exl.ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
     tokenizer = exl.ExLlamaV2Tokenizer(config)
-    generator = exl_gen.ExLlamaV2DynamicGenerator(
+    generator = generator_class(
         model=model,
         cache=cache,
         tokenizer=tokenizer,
@@ -334,11 +341,14 @@ def bench_exllamav2_dynamic(
     attn_patch: Callable[[], object] | None = None,
     max_batch_size: int | None = None,
     sampling_threads: int = 16,
+    exlq_decode: bool = False,
 ) -> dict[str, Any]:
     """N jobs enqueued at once into ExLlamaV2DynamicGenerator; greedy; no stop conditions (no EOS).
 
     attn_patch, if given, runs after exllamav2 is imported and before anything is built (e.g. to
     install a flash_attn_with_kvcache stand-in, so that paged mode works without flash-attn).
+    exlq_decode runs the generator as exlq's engine does (its GPU sampling and CUDA graphs
+    for batch sizes up to N), without the queue around it.
     """
     import torch
 
@@ -362,7 +372,11 @@ def bench_exllamav2_dynamic(
             paged,
             max_chunk_size,
             sampling_threads,
+            exlq_decode,
         )
+        if exlq_decode:
+            graphs = importlib.import_module("worker.engines.exllamav2_graphs")
+            graphs.install_decode_graphs(generator, concurrency)
         load_s = time.perf_counter() - t_load
         if warmup:
             generator.warmup()
@@ -404,7 +418,11 @@ def bench_exllamav2_dynamic(
             log.record(results, ts, time.perf_counter())
 
         out = _summarize(
-            system="exllamav2-dynamic" + ("" if paged else "-unpaged"),
+            system=(
+                "exlq-engine"
+                if exlq_decode
+                else "exllamav2-dynamic" + ("" if paged else "-unpaged")
+            ),
             model_dir=model_dir,
             concurrency=concurrency,
             prompt_tokens=prompt_tokens,

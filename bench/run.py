@@ -1,5 +1,6 @@
-"""One command, one GPU: bare exllamav2, the exlq path, exllamav2's websocket server and
-transformers on the same random-weight checkpoints; JSON and a markdown table out.
+"""One command, one GPU: exllamav2's stock generator, exlq's engine alone, the exlq path,
+exllamav2's websocket server and transformers on the same random-weight checkpoints; JSON
+and a markdown table out.
 
     python -m bench.run --shapes 1b,8b --concurrency 1,8,32,64,128
 """
@@ -89,6 +90,21 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
                     attn_patch=exlq_attention_patch,
                     max_batch_size=max(args.concurrency),
                     sampling_threads=args.sampling_threads,
+                    **point,
+                )
+            )
+            for n in args.concurrency
+        ],
+        "e": lambda: [
+            record(
+                baselines.bench_exllamav2_dynamic(
+                    model,
+                    n,
+                    cache_tokens=args.cache_tokens,
+                    attn_patch=exlq_attention_patch,
+                    max_batch_size=max(args.concurrency),
+                    sampling_threads=args.sampling_threads,
+                    exlq_decode=True,
                     **point,
                 )
             )
@@ -199,39 +215,42 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """exlq against its own engine without the queue (e: what the path costs), the stock
+    generator (a: what exlq's engine gains), the websocket server and transformers."""
     by = {(r["system"], r["concurrency"]): r for r in rows}
     out = [
-        "| N | exlq / bare tok/s | paired runs: median (range) | exlq added TTFT p50 ms | "
-        "exlq / websocket | exlq / transformers |",
-        "|---|---|---|---|---|---|",
+        "| N | exlq / engine alone | paired runs: median (range) | exlq added TTFT p50 ms | "
+        "exlq / stock generator | exlq / websocket | exlq / transformers |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n in sorted({r["concurrency"] for r in rows}):
         exlq = by.get(("exlq", n))
         if exlq is None:
             continue
-        bare = by.get(("exllamav2-dynamic", n))
-        ratios = []
-        for other in (
-            bare,
+        engine = by.get(("exlq-engine", n))
+        others = (
+            engine,
+            by.get(("exllamav2-dynamic", n)),
             by.get(("exllamav2-websocket", n)),
             next((r for (s, m), r in by.items() if s.startswith("transformers") and m == n), None),
-        ):
-            ok = other and other.get("output_tokens_per_s") and exlq.get("output_tokens_per_s")
-            ratios.append(
-                f"{exlq['output_tokens_per_s'] / other['output_tokens_per_s']:.3f}"
-                if ok and other
-                else "-"
-            )
+        )
+        ratios = [_ratio(exlq, other) for other in others]
         added = (
-            exlq["ttft_ms_p50"] - bare["ttft_ms_p50"]
-            if bare and bare.get("ttft_ms_p50") is not None
+            exlq["ttft_ms_p50"] - engine["ttft_ms_p50"]
+            if engine and engine.get("ttft_ms_p50") is not None
             else None
         )
         out.append(
-            f"| {n} | {ratios[0]} | {paired_ratio(exlq, bare)} | {_fmt(added)} | {ratios[1]} | "
-            f"{ratios[2]} |"
+            f"| {n} | {ratios[0]} | {paired_ratio(exlq, engine)} | {_fmt(added)} | {ratios[1]} | "
+            f"{ratios[2]} | {ratios[3]} |"
         )
     return out
+
+
+def _ratio(exlq: dict[str, Any], other: dict[str, Any] | None) -> str:
+    if not other or not other.get("output_tokens_per_s") or not exlq.get("output_tokens_per_s"):
+        return "-"
+    return f"{exlq['output_tokens_per_s'] / other['output_tokens_per_s']:.3f}"
 
 
 def paired_ratio(exlq: dict[str, Any], bare: dict[str, Any] | None) -> str:
@@ -245,22 +264,56 @@ def paired_ratio(exlq: dict[str, Any], bare: dict[str, Any] | None) -> str:
     return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
+def merge_files(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows and meta of several runs' JSON files (one device call each), as one table: the
+    commands are joined; the first file's GPU, bandwidth and date stand for all."""
+    rows: list[dict[str, Any]] = []
+    metas = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        rows += data["rows"]
+        metas.append(data["meta"])
+    meta = dict(metas[0])
+    meta["command"] = "; ".join(m["command"] for m in metas)
+    return rows, meta
+
+
+def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, tag: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}{tag}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    table = markdown(rows, meta)
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="1b,8b")
-    ap.add_argument("--systems", default="abcd", help="a bare, b exlq, c websocket, d hf")
+    ap.add_argument(
+        "--systems",
+        default="aebcd",
+        help="a stock generator, e exlq's engine alone, b exlq, c websocket, d transformers",
+    )
     ap.add_argument("--concurrency", default="1,8,32,64,128")
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--cache-tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each point, alternating")
-    ap.add_argument("--repeat-systems", default="ab", help="systems that repeat")
+    ap.add_argument("--repeat-systems", default="eb", help="systems that repeat")
     ap.add_argument("--ws-window-s", type=float, default=20.0)
     ap.add_argument("--sampling-threads", type=int, default=1, help="for (a) and (b) alike")
     ap.add_argument("--engine-runner", default="process", help="(b): process or thread")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="", help="appended to the output files' names")
+    ap.add_argument(
+        "--merge", nargs="+", type=Path, help="run nothing: one table from these runs' JSON"
+    )
     args = ap.parse_args()
+    if args.merge:
+        write(*merge_files(args.merge), Path(args.out), args.tag)
+        return
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     bandwidth = measure_bandwidth()
     meta = {
@@ -274,19 +327,13 @@ def main() -> None:
         + " ".join(
             f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ','.join(map(str, v))}"
             for k, v in vars(args).items()
-            if k not in ("out", "models")
+            if k not in ("out", "models", "tag", "merge")
         ),
     }
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
         rows += run_shape(shape, args, bandwidth)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    table = markdown(rows, meta)
-    (out / f"{stem}.md").write_text(table + "\n")
-    print(table)
+    write(rows, meta, Path(args.out), args.tag)
 
 
 if __name__ == "__main__":
