@@ -48,7 +48,9 @@ def build(
     if graphs:
         from worker.engines.exllamav2_graphs import install_decode_graphs
 
-        assert install_decode_graphs(generator, jobs) is not None
+        decode_graphs = install_decode_graphs(generator, jobs)
+        assert decode_graphs is not None
+        print(f"CUDA graphs for 1..{jobs} jobs captured in {decode_graphs.capture_seconds:.1f} s")
     return model, generator
 
 

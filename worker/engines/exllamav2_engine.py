@@ -1,9 +1,11 @@
-"""ExLlamaV2Engine: the only module that drives exllamav2's dynamic generator.
+"""ExLlamaV2Engine: the only module the worker calls that drives exllamav2's generator.
 
-It runs ExLlamaV2DynamicGenerator directly, not ExLlamaV2DynamicGeneratorAsync: the async
+It runs the dynamic generator directly, not ExLlamaV2DynamicGeneratorAsync: the async
 wrapper calls iterate() on the event loop (no Redis I/O while the GPU works) and its loop
 ends for good on the first exception. The worker calls step() on a thread of its own and
-turns exllamav2's result dicts into typed outputs here, so nothing else sees them.
+turns exllamav2's result dicts into typed outputs here, so nothing else sees them. The
+generator is exlq's subclass (GPU sampling, exllamav2_generator.py) with its decode step
+replayed from CUDA graphs (exllamav2_graphs.py), unless settings turn them off.
 """
 
 from __future__ import annotations

@@ -91,6 +91,7 @@ class DecodeGraphs:
         self._copied.record(self._stream)
         self._logits: Any = None
         self.replays = 0
+        self.capture_seconds = 0.0
 
     # -- capture ------------------------------------------------------------------------
 
@@ -107,7 +108,8 @@ class DecodeGraphs:
             for size in sizes:
                 self._capture_one(size)
         torch.cuda.synchronize(self._device)
-        return time.perf_counter() - started
+        self.capture_seconds = time.perf_counter() - started
+        return self.capture_seconds
 
     def _capture_one(self, batch: int) -> None:
         torch = self._torch

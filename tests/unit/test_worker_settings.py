@@ -1,0 +1,41 @@
+"""The decode levers are on by default and each can be turned off by flag or variable."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from producer.cli import app
+from worker.cli import load_settings
+
+
+def test_cuda_graphs_and_gpu_sampling_default_on() -> None:
+    settings = load_settings(engine="echo")
+    assert settings.cuda_graphs and settings.gpu_sampling
+
+
+def test_variables_turn_them_off_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXLQ_CUDA_GRAPHS", "false")
+    monkeypatch.setenv("EXLQ_GPU_SAMPLING", "0")
+    settings = load_settings(engine="echo")
+    assert not settings.cuda_graphs and not settings.gpu_sampling
+    assert load_settings(engine="echo", cuda_graphs=True).cuda_graphs
+
+
+def test_a_bad_value_names_the_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("EXLQ_GPU_SAMPLING", "sometimes")
+    with pytest.raises(typer.Exit) as exc:
+        load_settings(engine="echo")
+    assert exc.value.exit_code == 2
+    assert "gpu_sampling" in capsys.readouterr().err
+
+
+def test_worker_and_up_offer_the_flags() -> None:
+    for command in ("worker", "up"):
+        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0
+        assert "--no-cuda-graphs" in result.output, command
+        assert "--no-gpu-sampling" in result.output, command
