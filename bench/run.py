@@ -80,36 +80,24 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
         rows.append(row)
         print(json.dumps({k: row.get(k) for k, _ in COLUMNS} | {"shape": shape}), flush=True)
 
+    def generator_alone(exlq_decode: bool) -> None:
+        for n in args.concurrency:
+            record(
+                baselines.bench_exllamav2_dynamic(
+                    model,
+                    n,
+                    cache_tokens=args.cache_tokens,
+                    attn_patch=exlq_attention_patch,
+                    max_batch_size=max(args.concurrency),
+                    sampling_threads=args.sampling_threads,
+                    exlq_decode=exlq_decode,
+                    **point,
+                )
+            )
+
     systems: dict[str, Callable[[], None]] = {
-        "a": lambda: [
-            record(
-                baselines.bench_exllamav2_dynamic(
-                    model,
-                    n,
-                    cache_tokens=args.cache_tokens,
-                    attn_patch=exlq_attention_patch,
-                    max_batch_size=max(args.concurrency),
-                    sampling_threads=args.sampling_threads,
-                    **point,
-                )
-            )
-            for n in args.concurrency
-        ],
-        "e": lambda: [
-            record(
-                baselines.bench_exllamav2_dynamic(
-                    model,
-                    n,
-                    cache_tokens=args.cache_tokens,
-                    attn_patch=exlq_attention_patch,
-                    max_batch_size=max(args.concurrency),
-                    sampling_threads=args.sampling_threads,
-                    exlq_decode=True,
-                    **point,
-                )
-            )
-            for n in args.concurrency
-        ],
+        "a": lambda: generator_alone(exlq_decode=False),
+        "e": lambda: generator_alone(exlq_decode=True),
         "b": lambda: [
             record(r)
             for r in bench_exlq(

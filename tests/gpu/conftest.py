@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,3 +31,31 @@ def model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from bench.make_checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("models") / "llama-1b-random", "1b")
+
+
+@pytest.fixture
+def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """make_generator(exlq=False, max_batch=8): a paged generator on exlq's attention over
+    a fresh load of the test model (exlq=True: exlq's GPU-sampling subclass); unloaded after
+    the test. The model is `generator.model`."""
+    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+    from worker.engines.exllamav2_attention import install_attention
+    from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+
+    models: list[Any] = []
+
+    def make(exlq: bool = False, max_batch: int = 8) -> Any:
+        install_attention("exlq")
+        config = ExLlamaV2Config(str(model_dir))
+        model = ExLlamaV2(config)
+        models.append(model)
+        cache = ExLlamaV2Cache(model, max_seq_len=8192, lazy=True)
+        model.load_autosplit(cache, progress=False)
+        cls = ExlqDynamicGenerator if exlq else ExLlamaV2DynamicGenerator
+        return cls(model, cache, ExLlamaV2Tokenizer(config), max_batch_size=max_batch, paged=True)
+
+    yield make
+    for model in models:
+        model.unload()

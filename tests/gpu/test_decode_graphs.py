@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,23 +18,6 @@ pytestmark = [
 # jobs ending at different steps so the batch shrinks through several captured sizes.
 PROMPT_TOKENS = [5, 100, 300, 600, 250, 40, 511]
 NEW_TOKENS = [20, 33, 40, 12, 25, 30, 9]
-
-
-def _load(model_dir: Path, max_batch: int) -> tuple[Any, Any]:
-    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-    from exllamav2.generator import ExLlamaV2DynamicGenerator
-
-    from worker.engines.exllamav2_attention import install_attention
-
-    install_attention("exlq")
-    config = ExLlamaV2Config(str(model_dir))
-    model = ExLlamaV2(config)
-    cache = ExLlamaV2Cache(model, max_seq_len=8192, lazy=True)
-    model.load_autosplit(cache, progress=False)
-    generator = ExLlamaV2DynamicGenerator(
-        model, cache, ExLlamaV2Tokenizer(config), max_batch_size=max_batch, paged=True
-    )
-    return model, generator
 
 
 def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
@@ -66,20 +48,17 @@ def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
     return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
 
 
-def test_graph_replay_matches_the_eager_forward_pass(model_dir: Path) -> None:
+def test_graph_replay_matches_the_eager_forward_pass(make_generator: Any) -> None:
     from worker.engines.exllamav2_graphs import DecodeGraphs
 
-    model, generator = _load(model_dir, max_batch=8)
-    try:
-        eager = _generate(generator)
-        max_pages = -(-generator.max_seq_len // generator.page_size)
-        graphs = DecodeGraphs(model, generator.cache, max_batch=8, max_pages=max_pages)
-        seconds = graphs.capture()
-        graphs.install()
-        generator.reset_page_table()
-        replayed = _generate(generator)
-    finally:
-        model.unload()
+    generator = make_generator(max_batch=8)
+    eager = _generate(generator)
+    max_pages = -(-generator.max_seq_len // generator.page_size)
+    graphs = DecodeGraphs(generator.model, generator.cache, max_batch=8, max_pages=max_pages)
+    seconds = graphs.capture()
+    graphs.install()
+    generator.reset_page_table()
+    replayed = _generate(generator)
     assert graphs.replays >= max(NEW_TOKENS) - 1, "decode steps did not go through the graphs"
     worst = 0.0
     for i, (want_tokens, want_logits) in eager.items():

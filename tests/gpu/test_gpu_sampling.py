@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,22 +108,6 @@ def test_draw_is_the_inverse_cdf_and_greedy_takes_the_first_largest_logit(cuda: 
     assert tokens.tolist() == [1] and chosen.tolist() == [1.0]  # ties: the first index
 
 
-def _generator(model_dir: Path, exlq: bool) -> tuple[Any, Any]:
-    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-    from exllamav2.generator import ExLlamaV2DynamicGenerator
-
-    from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_generator import ExlqDynamicGenerator
-
-    install_attention("exlq")
-    config = ExLlamaV2Config(str(model_dir))
-    model = ExLlamaV2(config)
-    cache = ExLlamaV2Cache(model, max_seq_len=8192, lazy=True)
-    model.load_autosplit(cache, progress=False)
-    cls = ExlqDynamicGenerator if exlq else ExLlamaV2DynamicGenerator
-    return model, cls(model, cache, ExLlamaV2Tokenizer(config), max_batch_size=8, paged=True)
-
-
 def _run(generator: Any, settings: list[Any]) -> list[list[int]]:
     import torch
     from exllamav2.generator import ExLlamaV2DynamicJob
@@ -150,33 +133,26 @@ def _run(generator: Any, settings: list[Any]) -> list[list[int]]:
 
 
 def test_generator_output_is_unchanged_for_greedy_and_repeatable_when_seeded(
-    model_dir: Path,
+    make_generator: Any,
 ) -> None:
     from exllamav2.generator import ExLlamaV2Sampler
 
     greedy = [ExLlamaV2Sampler.Settings.greedy() for _ in range(4)]
-    model, stock = _generator(model_dir, exlq=False)
-    try:
-        want = _run(stock, greedy)
-    finally:
-        model.unload()
-    model, exlq = _generator(model_dir, exlq=True)
-    try:
-        assert _run(exlq, greedy) == want
-        assert exlq.gpu_sampled > 0 and exlq.cpu_sampled == 0
-        sampled = [
-            ExLlamaV2Sampler.Settings(
-                temperature=0.9, top_k=k, top_p=p, min_p=m, token_repetition_penalty=1.0
-            )
-            for k, p, m in [(0, 1.0, 0.0), (40, 1.0, 0.05), (0, 0.9, 0.0), (0, 1.0, 0.0)]
-        ]
-        first = _run(exlq, sampled)
-        assert exlq.cpu_sampled > 0  # top_p 0.9 goes to exllamav2's own sampler, same batch
-        assert _run(exlq, sampled) == first  # seeded jobs repeat themselves
-        assert all(len(t) == 24 + 3 * i for i, t in enumerate(first))
-        assert first[0] != want[0]  # temperature 0.9 does sample
-    finally:
-        model.unload()
+    want = _run(make_generator(exlq=False), greedy)
+    exlq = make_generator(exlq=True)
+    assert _run(exlq, greedy) == want
+    assert exlq.gpu_sampled > 0 and exlq.cpu_sampled == 0
+    sampled = [
+        ExLlamaV2Sampler.Settings(
+            temperature=0.9, top_k=k, top_p=p, min_p=m, token_repetition_penalty=1.0
+        )
+        for k, p, m in [(0, 1.0, 0.0), (40, 1.0, 0.05), (0, 0.9, 0.0), (0, 1.0, 0.0)]
+    ]
+    first = _run(exlq, sampled)
+    assert exlq.cpu_sampled > 0  # top_p 0.9 goes to exllamav2's own sampler, same batch
+    assert _run(exlq, sampled) == first  # seeded jobs repeat themselves
+    assert all(len(t) == 24 + 3 * i for i, t in enumerate(first))
+    assert first[0] != want[0]  # temperature 0.9 does sample
     print(f"\nGPU-sampled steps {exlq.gpu_sampled}, CPU-sampled steps {exlq.cpu_sampled}")
 
 
