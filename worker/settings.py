@@ -48,7 +48,10 @@ class WorkerSettings(BaseSettings):
         True, description="sample greedy/temperature/top_k/min_p jobs on the GPU in one batch"
     )
     sampling_threads: int = Field(
-        1, ge=1, le=64, description="exllamav2 sampling threads; 1 measured fastest"
+        1,
+        ge=1,
+        le=64,
+        description="exllamav2 sampling threads (with gpu_sampling off); 1 measured fastest",
     )
 
     echo_tokens_per_second: float = Field(50.0, gt=0, description="echo engine speed per job")

@@ -226,7 +226,16 @@ def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None
         return None
     max_pages = -(-generator.max_seq_len // generator.page_size)
     graphs = DecodeGraphs(model, cache, max_batch, max_pages)
-    seconds = graphs.capture()
+    try:
+        seconds = graphs.capture()
+    except Exception as exc:  # a model whose layers cannot be captured still serves eagerly
+        log.warning(
+            "CUDA graphs off: capture failed (%s: %s); serving with exllamav2's own forward pass",
+            type(exc).__name__,
+            exc,
+        )
+        generator.reset_page_table()
+        return None
     graphs.install()
     # The warm-up passes wrote into page 0: forget any page the generator might reuse.
     generator.reset_page_table()

@@ -1,0 +1,78 @@
+"""A model whose decode step cannot be captured is served without graphs, not refused."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from worker.engines import exllamav2_graphs
+
+
+class _Generator:
+    page_size = 256
+    paged = True
+    max_seq_len = 8192
+    model = object()
+    cache = object()
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def reset_page_table(self) -> None:
+        self.resets += 1
+
+
+class _Graphs:
+    installed = False
+    fail = True
+
+    def __init__(self, model: Any, cache: Any, max_batch: int, max_pages: int) -> None:
+        assert (max_batch, max_pages) == (4, 32)
+
+    def capture(self) -> float:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.5
+
+    def install(self) -> None:
+        _Graphs.installed = True
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> type[_Graphs]:
+    monkeypatch.setattr(exllamav2_graphs, "graphs_unsupported_reason", lambda m, c: None)
+    monkeypatch.setattr(exllamav2_graphs, "DecodeGraphs", _Graphs)
+    _Graphs.installed = False
+    return _Graphs
+
+
+def test_failed_capture_logs_why_and_leaves_the_forward_pass_alone(
+    fake_graphs: type[_Graphs], caplog: pytest.LogCaptureFixture
+) -> None:
+    generator = _Generator()
+    with caplog.at_level(logging.WARNING):
+        assert exllamav2_graphs.install_decode_graphs(generator, 4) is None
+    assert not fake_graphs.installed
+    assert "capture failed (RuntimeError: operation not permitted" in caplog.text
+    assert generator.resets == 1  # warm-up passes may have written into page 0
+
+
+def test_captured_graphs_are_installed_and_pages_forgotten(fake_graphs: type[_Graphs]) -> None:
+    fake_graphs.fail = False
+    try:
+        generator = _Generator()
+        assert isinstance(exllamav2_graphs.install_decode_graphs(generator, 4), _Graphs)
+        assert fake_graphs.installed and generator.resets == 1
+    finally:
+        fake_graphs.fail = True
+
+
+def test_unsupported_models_say_why(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    monkeypatch.setattr(
+        exllamav2_graphs, "graphs_unsupported_reason", lambda m, c: "the weights are quantized"
+    )
+    with caplog.at_level(logging.INFO):
+        assert exllamav2_graphs.install_decode_graphs(_Generator(), 4) is None
+    assert "CUDA graphs off: the weights are quantized" in caplog.text
