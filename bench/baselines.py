@@ -290,12 +290,9 @@ def _exl_load(
     """Model (lazy, then load_autosplit with its cache), cache of cache_tokens, generator:
     exllamav2's own, or with exlq_decode the class exlq's engine runs (GPU sampling)."""
     exl = importlib.import_module("exllamav2")
-    exl_gen = importlib.import_module("exllamav2.generator")
-    generator_class = exl_gen.ExLlamaV2DynamicGenerator
-    if exlq_decode:
-        generator_class = importlib.import_module(
-            "worker.engines.exllamav2_generator"
-        ).ExlqDynamicGenerator
+    generator_class = importlib.import_module(
+        "worker.engines.exllamav2_generator"
+    ).dynamic_generator_class(gpu_sampling=exlq_decode)
     config = exl.ExLlamaV2Config(str(model_dir))
     # The generator asserts max_batch_size * max_q_size (8) <= cfg.max_batch_size * max_input_len.
     config.max_batch_size = max(

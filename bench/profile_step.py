@@ -24,10 +24,9 @@ def build(
     gpu_sampling: bool,
 ) -> Any:  # fmt: skip
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-    from exllamav2.generator import ExLlamaV2DynamicGenerator
 
     from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+    from worker.engines.exllamav2_generator import dynamic_generator_class
 
     install_attention("exlq")
     config = ExLlamaV2Config(model_dir)
@@ -35,8 +34,7 @@ def build(
     model = ExLlamaV2(config)
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
-    generator_class = ExlqDynamicGenerator if gpu_sampling else ExLlamaV2DynamicGenerator
-    generator = generator_class(
+    generator = dynamic_generator_class(gpu_sampling)(
         model=model,
         cache=cache,
         tokenizer=ExLlamaV2Tokenizer(config),

@@ -39,10 +39,9 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
     a fresh load of the test model (exlq=True: exlq's GPU-sampling subclass); unloaded after
     the test. The model is `generator.model`."""
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-    from exllamav2.generator import ExLlamaV2DynamicGenerator
 
     from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+    from worker.engines.exllamav2_generator import dynamic_generator_class
 
     models: list[Any] = []
 
@@ -53,8 +52,9 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
         models.append(model)
         cache = ExLlamaV2Cache(model, max_seq_len=8192, lazy=True)
         model.load_autosplit(cache, progress=False)
-        cls = ExlqDynamicGenerator if exlq else ExLlamaV2DynamicGenerator
-        return cls(model, cache, ExLlamaV2Tokenizer(config), max_batch_size=max_batch, paged=True)
+        return dynamic_generator_class(gpu_sampling=exlq)(
+            model, cache, ExLlamaV2Tokenizer(config), max_batch_size=max_batch, paged=True
+        )
 
     yield make
     for model in models:

@@ -54,7 +54,13 @@ def test_graph_replay_matches_the_eager_forward_pass(make_generator: Any) -> Non
     generator = make_generator(max_batch=8)
     eager = _generate(generator)
     max_pages = -(-generator.max_seq_len // generator.page_size)
-    graphs = DecodeGraphs(generator.model, generator.cache, max_batch=8, max_pages=max_pages)
+    graphs = DecodeGraphs(
+        generator.model,
+        generator.cache,
+        max_batch=8,
+        max_pages=max_pages,
+        page_size=generator.page_size,
+    )
     seconds = graphs.capture()
     graphs.install()
     generator.reset_page_table()

@@ -28,8 +28,10 @@ class _Graphs:
     installed = False
     fail = True
 
-    def __init__(self, model: Any, cache: Any, max_batch: int, max_pages: int) -> None:
-        assert (max_batch, max_pages) == (4, 32)
+    def __init__(
+        self, model: Any, cache: Any, max_batch: int, max_pages: int, page_size: int
+    ) -> None:
+        assert (max_batch, max_pages, page_size) == (4, 32, 256)
 
     def capture(self) -> float:
         if self.fail:
@@ -67,6 +69,12 @@ def test_captured_graphs_are_installed_and_pages_forgotten(fake_graphs: type[_Gr
         assert fake_graphs.installed and generator.resets == 1
     finally:
         fake_graphs.fail = True
+
+
+def test_another_exllamav2_version_gets_no_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exllamav2_graphs, "installed_exllamav2", lambda: "0.3.3")
+    reason = exllamav2_graphs.graphs_unsupported_reason(object(), object())
+    assert reason == "exllamav2 0.3.3 is installed; the graphs are written for 0.3.2"
 
 
 def test_unsupported_models_say_why(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:

@@ -41,13 +41,18 @@ def flash_attn_available() -> bool:
     return parts >= [2, 5, 7]
 
 
+def installed_exllamav2() -> str:
+    """The installed exllamav2's version; exlq's hooks into it are written for PINNED_EXLLAMAV2."""
+    return importlib.metadata.version("exllamav2")
+
+
 def check_hook_points(attn_module: Any) -> None:
     """Raise EngineUnavailable unless exllamav2.attn still has what the hook replaces."""
     missing = [name for name in _REQUIRED_NAMES if not hasattr(attn_module, name)]
     paged = getattr(getattr(attn_module, "ExLlamaV2Attention", None), "forward_paged", None)
     if paged is None or "flash_attn_with_kvcache" not in paged.__code__.co_names:
         missing.append("forward_paged calling flash_attn_with_kvcache")
-    installed = importlib.metadata.version("exllamav2")
+    installed = installed_exllamav2()
     if missing or installed != PINNED_EXLLAMAV2:
         raise EngineUnavailable(
             f"exlq's attention hook is written for exllamav2 {PINNED_EXLLAMAV2}; found "

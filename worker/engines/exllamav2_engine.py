@@ -84,9 +84,8 @@ class ExLlamaV2Engine(Engine):
     def __init__(self, settings: WorkerSettings, attention: str) -> None:
         import torch
         from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-        from exllamav2.generator import ExLlamaV2DynamicGenerator
 
-        from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+        from worker.engines.exllamav2_generator import ExlqDynamicGenerator, dynamic_generator_class
 
         assert settings.model is not None
         self._torch = torch
@@ -103,9 +102,7 @@ class ExLlamaV2Engine(Engine):
         self.model.load_autosplit(self.cache, progress=False)
         self.tokenizer = ExLlamaV2Tokenizer(config)
         chunk = min(settings.max_chunk_size, config.max_input_len)
-        generator_class = (
-            ExlqDynamicGenerator if settings.gpu_sampling else ExLlamaV2DynamicGenerator
-        )
+        generator_class = dynamic_generator_class(settings.gpu_sampling)
         self.generator = generator_class(
             model=self.model,
             cache=self.cache,
@@ -135,7 +132,7 @@ class ExLlamaV2Engine(Engine):
             self.capacity,
             attention,
             "on" if self.graphs else "off",
-            "GPU where it can" if settings.gpu_sampling else "CPU",
+            "GPU where it can" if generator_class is ExlqDynamicGenerator else "CPU",
         )
 
     # -- jobs ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ not change.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,7 +23,26 @@ from exllamav2.ext import none_tensor
 from exllamav2.generator import ExLlamaV2DynamicGenerator
 from exllamav2.util import cuda_sync_active
 
+from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
 from worker.kernels.sampling import sample_rows
+
+log = logging.getLogger(__name__)
+
+
+def dynamic_generator_class(gpu_sampling: bool) -> Any:
+    """ExlqDynamicGenerator where GPU sampling is asked for and the installed exllamav2 is the
+    version its override is written for; exllamav2's own generator otherwise."""
+    if not gpu_sampling:
+        return ExLlamaV2DynamicGenerator
+    installed = installed_exllamav2()
+    if installed != PINNED_EXLLAMAV2:
+        log.warning(
+            "GPU sampling off: exllamav2 %s is installed; exlq's generator is written for %s",
+            installed,
+            PINNED_EXLLAMAV2,
+        )
+        return ExLlamaV2DynamicGenerator
+    return ExlqDynamicGenerator
 
 
 def gpu_sampleable(job: Any) -> bool:
@@ -151,8 +171,7 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         for job in jobs:
             rows.append(row)
             row += len(job.sequences)
-        on_gpu = [gpu_sampleable(job) for job in jobs]
-        gpu_jobs = [i for i, ok in enumerate(on_gpu) if ok]
+        gpu_jobs = [i for i, job in enumerate(jobs) if gpu_sampleable(job)]
         sampled: dict[int, tuple[Any, Any]] = {}
         if gpu_jobs:
             sampled = self._sample_on_gpu(
@@ -201,7 +220,4 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             uniform=[jobs[i].rng.random() for i in indices],
             vocab_size=self.tokenizer.get_vocab_size(),
         )
-        return {
-            i: (torch.tensor([[t]], dtype=torch.long), torch.tensor([[p]], dtype=torch.float))
-            for i, t, p in zip(indices, tokens, probs, strict=True)
-        }
+        return {i: (tokens[j : j + 1], probs[j : j + 1]) for j, i in enumerate(indices)}

@@ -8,9 +8,10 @@ through a block table), so it is captured once per batch size at start-up and re
 varies between steps (the new tokens' embeddings, the block table, the sequence lengths) is
 copied into static buffers the graphs read.
 
-Pinned to exllamav2 0.3.2 like the attention hook: `check_graph_points` refuses a version
-whose decode call or paged parameters moved, and tests/gpu/test_decode_graphs.py checks that
-replayed steps give the same tokens and logits as exllamav2's own forward pass.
+Pinned to exllamav2 0.3.2 like the attention hook: another installed version gets no graphs
+(graphs_unsupported_reason says so), tests/gpu/test_decode_graphs.py fails if the decode call
+or the paged parameters move, and checks that replayed steps give the same tokens and logits
+as exllamav2's own forward pass.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+
+from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +30,15 @@ log = logging.getLogger(__name__)
 _DECODE_KWARGS = frozenset({"attn_params", "cache", "loras", "indexed_embeddings"})
 
 
+class GraphsUnsupported(ValueError):
+    """Decode graphs cannot serve this model; the message says why."""
+
+
 def graphs_unsupported_reason(model: Any, cache: Any) -> str | None:
     """Why decode graphs cannot serve this model and cache, or None when they can."""
+    installed = installed_exllamav2()
+    if installed != PINNED_EXLLAMAV2:
+        return f"exllamav2 {installed} is installed; the graphs are written for {PINNED_EXLLAMAV2}"
     from exllamav2 import ExLlamaV2Cache
 
     if type(cache) is not ExLlamaV2Cache:
@@ -46,17 +56,20 @@ def graphs_unsupported_reason(model: Any, cache: Any) -> str | None:
 
 class DecodeGraphs:
     """Stands in for `model.forward_chunk`: replays a captured graph for decode calls of up
-    to `max_batch` jobs whose block table is at most `max_pages` wide; every other call goes
-    to exllamav2's own forward pass."""
+    to `max_batch` jobs whose block table is at most `max_pages` pages of `page_size` tokens
+    wide; every other call goes to exllamav2's own forward pass. GraphsUnsupported if the
+    model cannot be captured."""
 
-    def __init__(self, model: Any, cache: Any, max_batch: int, max_pages: int) -> None:
+    def __init__(
+        self, model: Any, cache: Any, max_batch: int, max_pages: int, page_size: int
+    ) -> None:
+        reason = graphs_unsupported_reason(model, cache)
+        if reason is not None:
+            raise GraphsUnsupported(reason)
         import torch
         from exllamav2.attn import ExLlamaV2Attention
         from exllamav2.device import get_device_stream, set_device_streams
 
-        reason = graphs_unsupported_reason(model, cache)
-        if reason is not None:
-            raise ValueError(f"decode graphs cannot serve this model: {reason}")
         self._torch = torch
         self._paged_params = ExLlamaV2Attention.PagedParams
         self._set_streams = set_device_streams
@@ -71,9 +84,8 @@ class DecodeGraphs:
         self._device = torch.device("cuda", device_idx)
         set_device_streams()
         self._stream = get_device_stream(device_idx) or torch.cuda.current_stream(self._device)
-        self._page_size = 256  # exllamav2's PAGED_PAGE_SIZE, checked against the generator
+        self._page_size = page_size
         self._graphs: dict[int, Any] = {}
-        self._params: dict[int, Any] = {}
         self._pool = torch.cuda.graph_pool_handle()
         probe = self._embedding.forward(torch.zeros((1, 1), dtype=torch.long))
         hidden_shape = (max_batch, 1, probe.shape[-1])
@@ -128,7 +140,6 @@ class DecodeGraphs:
             logits = self._layers_forward(self._hidden[:batch], params)
             self._logits[:batch].copy_(logits)
         self._graphs[batch] = graph
-        self._params[batch] = params
 
     def _static_params(self, batch: int) -> Any:
         torch = self._torch
@@ -216,16 +227,17 @@ class DecodeGraphs:
 
 def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None:
     """Capture decode graphs for `generator`'s model, or say in the log why not."""
-    model, cache = generator.model, generator.cache
-    reason = graphs_unsupported_reason(model, cache)
-    if reason is not None:
-        log.info("CUDA graphs off: %s", reason)
-        return None
-    if generator.page_size != 256 or not generator.paged:
+    if not generator.paged:
         log.info("CUDA graphs off: the generator is not in paged mode")
         return None
     max_pages = -(-generator.max_seq_len // generator.page_size)
-    graphs = DecodeGraphs(model, cache, max_batch, max_pages)
+    try:
+        graphs = DecodeGraphs(
+            generator.model, generator.cache, max_batch, max_pages, generator.page_size
+        )
+    except GraphsUnsupported as exc:
+        log.info("CUDA graphs off: %s", exc)
+        return None
     try:
         seconds = graphs.capture()
     except Exception as exc:  # a model whose layers cannot be captured still serves eagerly

@@ -100,14 +100,21 @@ def sample_rows(
     min_p: list[float],
     uniform: list[float],
     vocab_size: int,
-) -> tuple[list[int], list[float]]:
-    """Sample one token per row of device logits (rows, vocab) -> host lists.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of device logits (rows, padded vocab).
 
-    One small copy to the device for the settings and one back for the results, which is
-    the only wait for the GPU.
+    Returns host tensors of shape (rows, 1): token ids (int64) and their probabilities
+    (float32), so that row j is `tokens[j : j + 1]`, the shape exllamav2 hands a job. One
+    small copy to the device for the settings and one back for the results, which is the
+    only wait for the GPU; a batch of greedy rows only (known here on the host) needs no
+    distribution at all, just the argmax.
     """
     import torch
 
+    logits = logits[:, :vocab_size]  # the output layer's padding is never drawn
+    if all(t < GREEDY_BELOW_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k, strict=True)):
+        tokens = logits.argmax(dim=-1).unsqueeze(1).cpu()
+        return tokens, torch.ones(tokens.shape, dtype=torch.float32)
     dev = logits.device
     pinned = dev.type == "cuda"
     settings = torch.tensor([temperature, min_p, uniform], dtype=torch.float32, pin_memory=pinned)
@@ -118,5 +125,5 @@ def sample_rows(
     probs = sampling_probs(logits, temps, ks, mins, vocab_size, max_top_k)
     greedy = (temps < GREEDY_BELOW_TEMPERATURE) | (ks == 1)
     tokens, chosen = draw(logits, probs, greedy, us)
-    out = torch.stack([tokens.double(), chosen.double()]).cpu()
-    return [int(t) for t in out[0].tolist()], out[1].tolist()
+    out = torch.stack([tokens.double(), chosen.double()], dim=1).cpu()
+    return out[:, :1].long(), out[:, 1:].float()
