@@ -287,6 +287,45 @@ def test_flash_attn_name_and_integer_seqlens() -> None:
     assert torch.equal(inp.k_pool, k_ref) and torch.equal(inp.v_pool, v_ref)
 
 
+def test_right_padded_rows_store_only_their_own_tokens() -> None:
+    """Batched prefill pads rows to the longest: with new_lens, each row's real tokens are
+    attended to as if the row ran alone, and no padding token reaches the cache, even where
+    the block table maps the padding onto a page another row owns."""
+    from worker.kernels.paged_attention import paged_attention_with_kvcache
+    from worker.kernels.reference import reference_attention_with_kvcache
+
+    page_size = 4 if INTERPRET else 16
+    case = Case(
+        "padded", (0, 300 // (4 if INTERPRET else 1), 17), 40, 8, 2, 64, page_size=page_size
+    )
+    new_lens = (40, 13, 1)
+    inp = _make_inputs(case, seed=21)
+    table = inp.block_table.clone()
+    owned = table[0, 0].item()
+    for b, (n, real) in enumerate(zip(case.seqlens, new_lens, strict=True)):
+        first_pad_page = math.ceil((n + real) / page_size)
+        table[b, first_pad_page:] = owned  # exllamav2 pads block tables with page indices too
+    k_pool, v_pool = inp.k_pool.clone(), inp.v_pool.clone()
+    out = paged_attention_with_kvcache(
+        q=inp.q, k=inp.k, v=inp.v, k_cache=k_pool, v_cache=v_pool, cache_seqlens=inp.seqlens,
+        block_table=table, causal=True,
+        new_lens=torch.tensor(new_lens, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    k_exp, v_exp = inp.k_pool.clone(), inp.v_pool.clone()
+    worst = 0.0
+    for b, real in enumerate(new_lens):
+        row = slice(b, b + 1)
+        ref = reference_attention_with_kvcache(
+            q=inp.q[row, :real], k=inp.k[row, :real], v=inp.v[row, :real], k_cache=k_exp,
+            v_cache=v_exp, cache_seqlens=inp.seqlens[row], block_table=table[row], causal=True,
+        )  # fmt: skip
+        worst = max(worst, float((out[row, :real].float() - ref.float()).abs().max()))
+    print(f"paged_attention case=right_padded max_abs_err={worst:.3e}")
+    assert worst < TOLERANCE
+    assert torch.equal(k_pool, k_exp), "padding reached the k cache"
+    assert torch.equal(v_pool, v_exp), "padding reached the v cache"
+
+
 def test_rejects_unsupported_arguments() -> None:
     from worker.kernels.paged_attention import paged_attention_with_kvcache
 

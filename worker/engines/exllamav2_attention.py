@@ -11,6 +11,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from worker.engines.base import EngineUnavailable
@@ -61,8 +64,41 @@ def check_hook_points(attn_module: Any) -> None:
         )
 
 
+# The new-token count of each row of a right-padded batch, while one runs (batched prefill).
+_padded_lengths: ContextVar[Any] = ContextVar("exlq_padded_lengths", default=None)
+
+
+@contextmanager
+def right_padded(new_lens: Any) -> Iterator[None]:
+    """While open, exlq's kernel stores only the first new_lens[b] new keys/values of row b
+    (a (batch,) int32 tensor on the GPU): the padding behind them never reaches the cache.
+    Only with exlq's kernel installed (padding_supported())."""
+    token = _padded_lengths.set(new_lens)
+    try:
+        yield
+    finally:
+        _padded_lengths.reset(token)
+
+
+def _exlq_flash_attn_with_kvcache(*args: Any, **kwargs: Any) -> Any:
+    from worker.kernels.paged_attention import paged_attention_with_kvcache
+
+    new_lens = _padded_lengths.get()
+    if new_lens is not None:
+        q = kwargs["q"] if "q" in kwargs else args[0]
+        kwargs["new_lens"] = new_lens if new_lens.device == q.device else new_lens.to(q.device)
+    return paged_attention_with_kvcache(*args, **kwargs)
+
+
+def padding_supported() -> bool:
+    """True when exllamav2's paged attention runs exlq's kernel, which can leave the padding
+    of a right-padded batch out of the cache (flash-attn cannot)."""
+    attn: Any = importlib.import_module("exllamav2.attn")
+    return getattr(attn, "flash_attn_with_kvcache", None) is _exlq_flash_attn_with_kvcache
+
+
 def install_exlq_kernels() -> None:
-    from worker.kernels.paged_attention import HAS_TRITON, paged_attention_with_kvcache
+    from worker.kernels.paged_attention import HAS_TRITON
 
     if not HAS_TRITON:
         raise EngineUnavailable(
@@ -70,7 +106,7 @@ def install_exlq_kernels() -> None:
         )
     attn: Any = importlib.import_module("exllamav2.attn")
     check_hook_points(attn)
-    attn.flash_attn_with_kvcache = paged_attention_with_kvcache
+    attn.flash_attn_with_kvcache = _exlq_flash_attn_with_kvcache
     for flag in HOOKED_FLAGS:
         setattr(attn, flag, True)
 

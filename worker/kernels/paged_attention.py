@@ -195,6 +195,7 @@ if HAS_TRITON:
         kvh: tl.tensor,
         mb: tl.tensor,
         q_len: tl.tensor,
+        n_write: tl.tensor,
         n_cached: tl.tensor,
         kc_page: tl.tensor,
         kc_row: tl.tensor,
@@ -212,9 +213,10 @@ if HAS_TRITON:
         WRITE_T: tl.constexpr,
     ) -> None:
         # Each token is written by the tile that holds its first row (token * GROUP), so every
-        # new row lands exactly once even when GROUP does not divide BLOCK_M.
+        # new row lands exactly once even when GROUP does not divide BLOCK_M. Only the first
+        # n_write tokens are written: the rest of a right-padded row is padding.
         t_lo = tl.cdiv(mb * BLOCK_M, GROUP)
-        t_hi = tl.minimum(tl.cdiv((mb + 1) * BLOCK_M, GROUP), q_len)
+        t_hi = tl.minimum(tl.cdiv((mb + 1) * BLOCK_M, GROUP), n_write)
         offs_t = t_lo + tl.arange(0, WRITE_T)
         t_ok = offs_t < t_hi
         pos = n_cached + offs_t
@@ -286,7 +288,14 @@ if HAS_TRITON:
     # an H200 as 0.3-1.1 s stalls mid-generation. One variant per shape instead.
     @triton.jit(
         do_not_specialize=["q_len", "bt_stride", "window_left", "window_right", "num_splits"],
-        do_not_specialize_on_alignment=["Q", "K_NEW", "V_NEW", "SEQLENS", "BLOCK_TABLE"],
+        do_not_specialize_on_alignment=[
+            "Q",
+            "K_NEW",
+            "V_NEW",
+            "SEQLENS",
+            "BLOCK_TABLE",
+            "NEW_LENS",
+        ],
     )
     def _paged_attn_fwd(
         Q: tl.tensor,
@@ -296,6 +305,7 @@ if HAS_TRITON:
         V_CACHE: tl.tensor,
         SEQLENS: tl.tensor,
         BLOCK_TABLE: tl.tensor,
+        NEW_LENS: tl.tensor,
         OUT: tl.tensor,
         PART: tl.tensor,
         q_len: tl.tensor,
@@ -321,6 +331,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         WRITE_T: tl.constexpr,
         HAS_NEW: tl.constexpr,
+        HAS_NEW_LENS: tl.constexpr,
         HAS_LEFT: tl.constexpr,
         HAS_RIGHT: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr,
@@ -374,8 +385,11 @@ if HAS_TRITON:
                 offs_d, d_ok, N_KV, HEAD_DIM, BLOCK_N, HAS_SOFTCAP,
             )  # fmt: skip
             if split == 0:
+                n_write = q_len
+                if HAS_NEW_LENS:
+                    n_write = tl.minimum(tl.load(NEW_LENS + b), q_len)
                 _append(
-                    K_NEW, V_NEW, K_CACHE, V_CACHE, bt_row, b, kvh, mb, q_len, n_cached,
+                    K_NEW, V_NEW, K_CACHE, V_CACHE, bt_row, b, kvh, mb, q_len, n_write, n_cached,
                     kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, offs_d, d_ok,
                     N_KV, HEAD_DIM, PAGE_SIZE, GROUP, BLOCK_M, WRITE_T,
                 )  # fmt: skip
@@ -594,6 +608,7 @@ def _launch(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     seqlens: torch.Tensor,
     table: torch.Tensor,
+    new_lens: torch.Tensor | None,
     muls: tuple[float, float],
     window: tuple[int, int],
     softcap: bool,
@@ -621,12 +636,14 @@ def _launch(
     # Without k/v the kernel never touches K_NEW / V_NEW (HAS_NEW is a compile-time False).
     k_new, v_new = (q, q) if new_kv is None else new_kv
     _paged_attn_fwd[(plan.m_blocks * plan.num_splits, n_kv, batch)](
-        q, k_new, v_new, k_cache, v_cache, seqlens, table, out, part,
+        q, k_new, v_new, k_cache, v_cache, seqlens, table,
+        seqlens if new_lens is None else new_lens, out, part,
         q_len, table.stride(0), kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2],
         muls[0], muls[1], window[0], window[1], plan.num_splits,
         N_HEADS=n_heads, N_KV=n_kv, GROUP=group, HEAD_DIM=head_dim, D_POW2=plan.d_pow2,
         PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        WRITE_T=plan.write_t, HAS_NEW=new_kv is not None, HAS_LEFT=window[0] >= 0,
+        WRITE_T=plan.write_t, HAS_NEW=new_kv is not None,
+        HAS_NEW_LENS=new_kv is not None and new_lens is not None, HAS_LEFT=window[0] >= 0,
         HAS_RIGHT=window[1] >= 0, HAS_SOFTCAP=softcap, SPLIT=split,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
@@ -659,6 +676,7 @@ def paged_attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    new_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for flash_attn.flash_attn_with_kvcache (paged or unpaged cache, no rotary/alibi).
 
@@ -670,6 +688,10 @@ def paged_attention_with_kvcache(
     window_size=(left, right) restrict keys to [pos - left, pos + right]; softcap > 0 applies
     softcap * tanh(score / softcap) to scaled scores. Rows with no visible key return 0.
     Never synchronises with the host. num_splits=0 picks the split-K count from shapes.
+
+    exlq's addition, for right-padded batches of prompts: with new_lens (batch,) int32 on q's
+    device, only the first new_lens[b] of row b's new keys/values are written to the cache;
+    the padding behind them is attended to by padding queries only (causal), never stored.
     """
     _check_supported(
         rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes, return_softmax_lse
@@ -689,7 +711,12 @@ def paged_attention_with_kvcache(
     window = (int(window_size[0]), 0 if causal else int(window_size[1]))
     muls = _score_muls(q.shape[3], softmax_scale, softcap)
     q = q.contiguous()
-    args = (q, k_cache, v_cache, new_kv, seqlens, table, muls, window, softcap > 0.0, num_splits)
+    if new_lens is not None and not causal:
+        raise ValueError("new_lens (right padding) needs causal attention")
+    args = (
+        q, k_cache, v_cache, new_kv, seqlens, table, new_lens, muls, window, softcap > 0.0,
+        num_splits,
+    )  # fmt: skip
     if dev.type == "cuda" and dev.index != torch.cuda.current_device():
         # Triton launches on the current device; flash-attn guards to q's device the same way.
         with torch.cuda.device(dev):
