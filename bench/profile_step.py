@@ -26,15 +26,17 @@ def build(
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
     from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_generator import dynamic_generator_class
+    from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
 
     install_attention("exlq")
     config = ExLlamaV2Config(model_dir)
-    config.max_batch_size = max(config.max_batch_size, -(-jobs * 8 // config.max_input_len))
+    size_model_config(config, jobs, 0)
     model = ExLlamaV2(config)
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
-    generator = dynamic_generator_class(gpu_sampling)(
+    generator = make_dynamic_generator(
+        gpu_sampling=gpu_sampling,
+        prefill_batch_tokens=0,
         model=model,
         cache=cache,
         tokenizer=ExLlamaV2Tokenizer(config),

@@ -41,6 +41,13 @@ GpuSampling = Annotated[
         "--gpu-sampling/--no-gpu-sampling", help="sample on the GPU where the settings allow"
     ),
 ]
+PrefillBatchTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--prefill-batch-tokens",
+        help="prompt tokens one batched prefill pass takes (0: one pass per job)",
+    ),
+]
 Runner = Annotated[str | None, typer.Option("--engine-runner", help="process (default) or thread")]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
 
@@ -75,6 +82,7 @@ def worker(
     sampling_threads: SamplingThreads = None,
     cuda_graphs: CudaGraphs = None,
     gpu_sampling: GpuSampling = None,
+    prefill_batch_tokens: PrefillBatchTokens = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve a queue from a running Redis (EXLQ_* variables work too)."""
@@ -96,6 +104,7 @@ def worker(
         sampling_threads=sampling_threads,
         cuda_graphs=cuda_graphs,
         gpu_sampling=gpu_sampling,
+        prefill_batch_tokens=prefill_batch_tokens,
         log_level=log_level,
     )
     raise typer.Exit(run_worker(settings))

@@ -47,6 +47,13 @@ class WorkerSettings(BaseSettings):
     gpu_sampling: bool = Field(
         True, description="sample greedy/temperature/top_k/min_p jobs on the GPU in one batch"
     )
+    prefill_batch_tokens: int = Field(
+        4096,
+        ge=0,
+        le=65_536,
+        description="prompt tokens (padding included) one batched prefill pass takes; 0: one "
+        "pass per job, as exllamav2 does",
+    )
     sampling_threads: int = Field(
         1,
         ge=1,

@@ -35,25 +35,33 @@ def model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
-    """make_generator(exlq=False, max_batch=8): a paged generator on exlq's attention over
-    a fresh load of the test model (exlq=True: exlq's GPU-sampling subclass); unloaded after
-    the test. The model is `generator.model`."""
+    """make_generator(exlq=False, max_batch=8, prefill_batch_tokens=0): a paged generator
+    on exlq's attention over a fresh load of the test model (exlq=True: exlq's subclass with
+    GPU sampling; prefill_batch_tokens > 0: exlq's subclass with batched prefill); unloaded
+    after the test. The model is `generator.model`."""
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
     from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_generator import dynamic_generator_class
+    from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
 
     models: list[Any] = []
 
-    def make(exlq: bool = False, max_batch: int = 8) -> Any:
+    def make(exlq: bool = False, max_batch: int = 8, prefill_batch_tokens: int = 0) -> Any:
         install_attention("exlq")
         config = ExLlamaV2Config(str(model_dir))
+        size_model_config(config, max_batch, prefill_batch_tokens)
         model = ExLlamaV2(config)
         models.append(model)
         cache = ExLlamaV2Cache(model, max_seq_len=8192, lazy=True)
         model.load_autosplit(cache, progress=False)
-        return dynamic_generator_class(gpu_sampling=exlq)(
-            model, cache, ExLlamaV2Tokenizer(config), max_batch_size=max_batch, paged=True
+        return make_dynamic_generator(
+            gpu_sampling=exlq,
+            prefill_batch_tokens=prefill_batch_tokens,
+            model=model,
+            cache=cache,
+            tokenizer=ExLlamaV2Tokenizer(config),
+            max_batch_size=max_batch,
+            paged=True,
         )
 
     yield make

@@ -39,3 +39,14 @@ def test_worker_and_up_offer_the_flags() -> None:
         assert result.exit_code == 0
         assert "--no-cuda-graphs" in result.output, command
         assert "--no-gpu-sampling" in result.output, command
+    worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
+    assert "--prefill-batch-tokens" in worker_help
+
+
+def test_batched_prefill_is_on_by_default_and_zero_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert load_settings(engine="echo").prefill_batch_tokens == 4096
+    monkeypatch.setenv("EXLQ_PREFILL_BATCH_TOKENS", "0")
+    assert load_settings(engine="echo").prefill_batch_tokens == 0
+    assert load_settings(engine="echo", prefill_batch_tokens=8192).prefill_batch_tokens == 8192

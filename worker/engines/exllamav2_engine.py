@@ -85,25 +85,23 @@ class ExLlamaV2Engine(Engine):
         import torch
         from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
-        from worker.engines.exllamav2_generator import ExlqDynamicGenerator, dynamic_generator_class
+        from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
 
         assert settings.model is not None
         self._torch = torch
         self.attention = attention
         self.capacity = settings.max_batch_size
         config = ExLlamaV2Config(str(settings.model))
-        # The generator asserts max_batch_size * max_q_size (8) <= this product.
-        config.max_batch_size = max(
-            config.max_batch_size, -(-self.capacity * 8 // config.max_input_len)
-        )
+        size_model_config(config, self.capacity, settings.prefill_batch_tokens)
         cache_tokens = max(PAGE_TOKENS, settings.cache_tokens // PAGE_TOKENS * PAGE_TOKENS)
         self.model = ExLlamaV2(config)
         self.cache = ExLlamaV2Cache(self.model, max_seq_len=cache_tokens, lazy=True)
         self.model.load_autosplit(self.cache, progress=False)
         self.tokenizer = ExLlamaV2Tokenizer(config)
         chunk = min(settings.max_chunk_size, config.max_input_len)
-        generator_class = dynamic_generator_class(settings.gpu_sampling)
-        self.generator = generator_class(
+        self.generator = make_dynamic_generator(
+            gpu_sampling=settings.gpu_sampling,
+            prefill_batch_tokens=settings.prefill_batch_tokens,
             model=self.model,
             cache=self.cache,
             tokenizer=self.tokenizer,
@@ -124,15 +122,22 @@ class ExLlamaV2Engine(Engine):
         )
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
+        batcher = getattr(self.generator, "prefill_batcher", None)
         log.info(
             "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
-            "sampling on the %s",
+            "sampling on the %s, prefill %s",
             settings.model.name,
             cache_tokens,
             self.capacity,
             attention,
             "on" if self.graphs else "off",
-            "GPU where it can" if generator_class is ExlqDynamicGenerator else "CPU",
+            "GPU where it can" if getattr(self.generator, "gpu_sampling", False) else "CPU",
+            (
+                f"batched up to {batcher.budget_tokens} tokens a pass"
+                f"{', rows padded' if batcher.padding else ', equal lengths only'}"
+                if batcher
+                else "one job a pass"
+            ),
         )
 
     # -- jobs ---------------------------------------------------------------------------

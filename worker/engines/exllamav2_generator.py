@@ -1,20 +1,25 @@
-"""exllamav2's dynamic generator with its decode step's sampling moved to the GPU.
+"""exllamav2's dynamic generator with two of its hot spots replaced: the sampling of the
+decode step, and the one-job-at-a-time prefill.
 
 ExLlamaV2DynamicGenerator.iterate_gen copies the whole step's logits to the host and samples
 every job on the CPU, one after another, while the GPU idles: at 64 jobs that was a third of
-the step (docs/PERFORMANCE.md). ExlqDynamicGenerator overrides iterate_gen for the plain
-(no draft model) decode step: jobs whose sampling worker/kernels/sampling.py implements are
-sampled there in one batch, the rest exactly as exllamav2 does, and every job then goes
-through exllamav2's own receive_sample (stop conditions, held text, page hashing). Otherwise
-the method does what exllamav2 0.3.2's iterate_gen does, step for step, except that jobs on
-the CPU path are sampled on the calling thread (exllamav2's sampling-thread pool measured no
-faster). tests/gpu/test_gpu_sampling.py checks the hook points and that greedy output does
-not change.
+the step (docs/PERFORMANCE.md). With gpu_sampling, ExlqDynamicGenerator overrides iterate_gen
+for the plain (no draft model) decode step: jobs whose sampling worker/kernels/sampling.py
+implements are sampled there in one batch, the rest exactly as exllamav2 does, and every job
+then goes through exllamav2's own receive_sample (stop conditions, held text, page hashing).
+Otherwise the method does what exllamav2 0.3.2's iterate_gen does, step for step, except
+that jobs on the CPU path are sampled on the calling thread (exllamav2's sampling-thread pool
+measured no faster). tests/gpu/test_gpu_sampling.py checks the hook points and that greedy
+output does not change.
+
+With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
+exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -23,26 +28,46 @@ from exllamav2.ext import none_tensor
 from exllamav2.generator import ExLlamaV2DynamicGenerator
 from exllamav2.util import cuda_sync_active
 
-from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
+from worker.engines.exllamav2_attention import (
+    PINNED_EXLLAMAV2,
+    installed_exllamav2,
+    padding_supported,
+)
+from worker.engines.exllamav2_prefill import PrefillBatcher
 from worker.kernels.sampling import sample_rows
 
 log = logging.getLogger(__name__)
 
+# ExLlamaV2DynamicGenerator asserts max_batch_size * max_q_size (8) rows fit the scratch.
+_DECODE_ROWS_PER_JOB = 8
 
-def dynamic_generator_class(gpu_sampling: bool) -> Any:
-    """ExlqDynamicGenerator where GPU sampling is asked for and the installed exllamav2 is the
-    version its override is written for; exllamav2's own generator otherwise."""
-    if not gpu_sampling:
-        return ExLlamaV2DynamicGenerator
+
+def size_model_config(config: Any, max_batch: int, prefill_batch_tokens: int) -> None:
+    """Make the model's scratch (config.max_input_len x config.max_batch_size rows, allocated
+    at load) hold what the generator will run: max_batch jobs' decode rows, and batched
+    prefill passes of prefill_batch_tokens."""
+    rows = max(max_batch * _DECODE_ROWS_PER_JOB, prefill_batch_tokens)
+    config.max_batch_size = max(config.max_batch_size, math.ceil(rows / config.max_input_len))
+
+
+def make_dynamic_generator(*, gpu_sampling: bool, prefill_batch_tokens: int, **kwargs: Any) -> Any:
+    """ExlqDynamicGenerator where one of its levers is asked for and the installed exllamav2
+    is the version it is written for; exllamav2's own generator otherwise. kwargs go to the
+    generator (model, cache, tokenizer, max_batch_size, ...)."""
+    if not gpu_sampling and prefill_batch_tokens <= 0:
+        return ExLlamaV2DynamicGenerator(**kwargs)
     installed = installed_exllamav2()
     if installed != PINNED_EXLLAMAV2:
         log.warning(
-            "GPU sampling off: exllamav2 %s is installed; exlq's generator is written for %s",
+            "GPU sampling and batched prefill off: exllamav2 %s is installed; exlq's generator "
+            "is written for %s",
             installed,
             PINNED_EXLLAMAV2,
         )
-        return ExLlamaV2DynamicGenerator
-    return ExlqDynamicGenerator
+        return ExLlamaV2DynamicGenerator(**kwargs)
+    return ExlqDynamicGenerator(
+        gpu_sampling=gpu_sampling, prefill_batch_tokens=prefill_batch_tokens, **kwargs
+    )
 
 
 def gpu_sampleable(job: Any) -> bool:
@@ -79,21 +104,49 @@ def gpu_sampleable(job: Any) -> bool:
 
 
 class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
-    """ExLlamaV2DynamicGenerator whose decode step samples eligible jobs on the GPU."""
+    """ExLlamaV2DynamicGenerator whose decode step samples eligible jobs on the GPU
+    (gpu_sampling) and whose prefill passes run batched (prefill_batch_tokens > 0: the most
+    tokens, padding included, one batched pass takes)."""
 
     logits_pinned: Any
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, gpu_sampling: bool = True, prefill_batch_tokens: int = 0, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.gpu_sampling = gpu_sampling
         self.gpu_sampled = 0
         self.cpu_sampled = 0
-        # exllamav2 allocates this buffer in pageable memory despite its name, and the copy of
-        # a step's logits into it took 1.1 ms at 64 jobs; pinned, the GPU writes it directly.
-        shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
-        self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
+        if gpu_sampling:
+            # exllamav2 allocates this buffer in pageable memory despite its name, and the
+            # copy of a step's logits into it took 1.1 ms at 64 jobs; pinned, the GPU writes
+            # it directly.
+            shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
+            self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
+        self.prefill_batcher: PrefillBatcher | None = None
+        if prefill_batch_tokens > 0 and self.paged:
+            config = self.model.config
+            scratch_rows = config.max_input_len * config.max_batch_size
+            self.prefill_batcher = PrefillBatcher(
+                self, min(prefill_batch_tokens, scratch_rows), padding_supported()
+            )
+
+    def iterate(self) -> list[Any]:
+        batcher = self.prefill_batcher
+        if batcher is None or self.draft_model or self.use_ngram_draft:
+            return super().iterate()  # type: ignore[no-any-return]
+        # exllamav2 0.3.2's iterate() without a draft model, its prefill loop batched.
+        results: list[Any] = []
+        with torch.inference_mode():
+            self.iterate_start_jobs(results)
+            with batcher.deferring():
+                for job in self.active_jobs:
+                    job.prefill(results)
+            self.iterate_gen(results)
+        return results
 
     def iterate_gen(self, results: list[Any], draft_tokens: Any = None) -> None:
-        if draft_tokens is not None:
+        if draft_tokens is not None or not self.gpu_sampling:
             super().iterate_gen(results, draft_tokens)
             return
         jobs = [job for job in self.active_jobs if job.is_prefill_done()]
