@@ -286,23 +286,24 @@ def _exl_load(
     max_chunk_size: int | None,
     sampling_threads: int = 16,
     exlq_decode: bool = False,
+    prefill_batch_tokens: int = 0,
 ) -> tuple[Any, Any, Any]:
     """Model (lazy, then load_autosplit with its cache), cache of cache_tokens, generator:
-    exllamav2's own, or with exlq_decode the class exlq's engine runs (GPU sampling)."""
+    exllamav2's own, or with exlq_decode the one exlq's engine runs (GPU sampling, batched
+    prefill of prefill_batch_tokens)."""
     exl = importlib.import_module("exllamav2")
-    generator_class = importlib.import_module(
-        "worker.engines.exllamav2_generator"
-    ).dynamic_generator_class(gpu_sampling=exlq_decode)
+    exlq_generator = importlib.import_module("worker.engines.exllamav2_generator")
     config = exl.ExLlamaV2Config(str(model_dir))
-    # The generator asserts max_batch_size * max_q_size (8) <= cfg.max_batch_size * max_input_len.
-    config.max_batch_size = max(
-        config.max_batch_size, math.ceil(concurrency * 8 / config.max_input_len)
+    exlq_generator.size_model_config(
+        config, concurrency, prefill_batch_tokens if exlq_decode else 0
     )
     model = exl.ExLlamaV2(config, lazy_load=True)
     cache = exl.ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
     tokenizer = exl.ExLlamaV2Tokenizer(config)
-    generator = generator_class(
+    generator = exlq_generator.make_dynamic_generator(
+        gpu_sampling=exlq_decode,
+        prefill_batch_tokens=prefill_batch_tokens if exlq_decode else 0,
         model=model,
         cache=cache,
         tokenizer=tokenizer,
@@ -339,13 +340,15 @@ def bench_exllamav2_dynamic(
     max_batch_size: int | None = None,
     sampling_threads: int = 16,
     exlq_decode: bool = False,
+    prefill_batch_tokens: int = 0,
 ) -> dict[str, Any]:
     """N jobs enqueued at once into ExLlamaV2DynamicGenerator; greedy; no stop conditions (no EOS).
 
     attn_patch, if given, runs after exllamav2 is imported and before anything is built (e.g. to
     install a flash_attn_with_kvcache stand-in, so that paged mode works without flash-attn).
-    exlq_decode runs the generator as exlq's engine does (its GPU sampling and CUDA graphs
-    for batch sizes up to N), without the queue around it.
+    exlq_decode runs the generator as exlq's engine does (its GPU sampling, CUDA graphs for
+    batch sizes up to N, batched prefill of prefill_batch_tokens), without the queue around
+    it.
     """
     import torch
 
@@ -370,6 +373,7 @@ def bench_exllamav2_dynamic(
             max_chunk_size,
             sampling_threads,
             exlq_decode,
+            prefill_batch_tokens,
         )
         if exlq_decode:
             graphs = importlib.import_module("worker.engines.exllamav2_graphs")
@@ -568,8 +572,10 @@ class _ServerProcess:
         python: str | None,
         env: dict[str, str] | None,
         ready_timeout_s: float,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         script = str(Path(__file__).resolve())
+        self.cpus = cpus
         self.cmd = [python or sys.executable, script, "_serve-ws", "--model", str(model_dir)]
         self.cmd += ["--host", host]
         self.env = {**os.environ, **(env or {})}
@@ -587,7 +593,10 @@ class _ServerProcess:
         self.lines.put(None)
 
     def __enter__(self) -> _ServerProcess:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True, env=self.env)
+        from bench.placement import on_cpus  # this file also runs as the server's script
+
+        with on_cpus(self.cpus):  # the child inherits this thread's CPUs
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True, env=self.env)
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout_s
         try:
@@ -635,6 +644,7 @@ def bench_exllamav2_websocket(
     python: str | None = None,
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 900.0,
+    server_cpus: frozenset[int] | None = None,
 ) -> dict[str, Any]:
     """N concurrent websocket clients, one streamed `infer` request each, on exllamav2's own server.
 
@@ -667,7 +677,7 @@ def bench_exllamav2_websocket(
         for j, t in enumerate(texts)
     ]
 
-    with _ServerProcess(model_dir, host, python, env, ready_timeout_s) as srv:
+    with _ServerProcess(model_dir, host, python, env, ready_timeout_s, server_cpus) as srv:
         uri = f"ws://{host}:{srv.port}"
         t0, t_end, times, finals = asyncio.run(_ws_drive(uri, requests, timeout_s))
     peak = srv.peak_gpu_mem_bytes

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baselines import _summarize, percentiles, random_prompt_ids
+from bench.placement import on_cpus
 from producer import AsyncProducer, DoneEvent, TokenEvent
 from worker.embedded_redis import RedisServer, free_port
 
@@ -23,7 +24,13 @@ QUEUE = "bench"
 class WorkerProcess:
     """`exlq worker` on the model, in a process of its own, as users run it."""
 
-    def __init__(self, model_dir: Path, redis_url: str, options: dict[str, str]) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        redis_url: str,
+        options: dict[str, str],
+        cpus: frozenset[int] | None = None,
+    ) -> None:
         self.metrics_port = free_port()
         args = [
             "--model",
@@ -41,14 +48,13 @@ class WorkerProcess:
             args += [flag, value]
         log_path = os.environ.get("EXLQ_BENCH_WORKER_LOG", "/tmp/exlq-bench-worker.log")
         self.log = open(log_path, "a")  # noqa: SIM115 - lives with the process
-        # For experiments with CPU placement, e.g. EXLQ_BENCH_WORKER_PREFIX="taskset -c 0-7".
-        prefix = os.environ.get("EXLQ_BENCH_WORKER_PREFIX", "").split()
-        self.process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "producer.cli", "worker", *args],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        with on_cpus(cpus):  # the worker inherits this thread's CPUs
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "producer.cli", "worker", *args],
+                cwd=ROOT,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            )
 
     def _url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.metrics_port}{path}"
@@ -163,6 +169,8 @@ def bench_exlq(
     attention: str = "auto",
     sampling_threads: int = 1,
     engine_runner: str = "process",
+    prefill_batch_tokens: int = 4096,
+    worker_cpus: frozenset[int] | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One worker (max_batch_size = the largest concurrency unless given) serves every point."""
@@ -179,7 +187,9 @@ def bench_exlq(
                 "--attention": attention,
                 "--sampling-threads": str(sampling_threads),
                 "--engine-runner": engine_runner,
+                "--prefill-batch-tokens": str(prefill_batch_tokens),
             },
+            worker_cpus,
         )
         try:
             load_s = worker.wait_ready()

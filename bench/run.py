@@ -19,7 +19,11 @@ from typing import Any
 from bench import baselines
 from bench.exlq_path import bench_exlq
 from bench.make_checkpoint import make_checkpoint
+from bench.placement import AUTO_MIN_CPUS, AUTO_SERVER_CPUS, on_cpus, placement
+from worker.settings import WorkerSettings
 
+# Systems whose model runs inside the bench process.
+IN_PROCESS = "aed"
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = [
     ("system", "system"),
@@ -97,10 +101,12 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
                     max_batch_size=max(args.concurrency),
                     sampling_threads=args.sampling_threads,
                     exlq_decode=exlq_decode,
+                    prefill_batch_tokens=args.prefill_batch_tokens,
                     **point,
                 )
             )
 
+    place = placement(args.worker_cpus)
     systems: dict[str, Callable[[], None]] = {
         "a": lambda: generator_alone(exlq_decode=False),
         "e": lambda: generator_alone(exlq_decode=True),
@@ -113,12 +119,16 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
                 attention="exlq",
                 sampling_threads=args.sampling_threads,
                 engine_runner=args.engine_runner,
+                prefill_batch_tokens=args.prefill_batch_tokens,
+                worker_cpus=place.server,
                 **point,
             )
         ],
         "c": lambda: [
             record(
-                baselines.bench_exllamav2_websocket(model, n, timeout_s=args.ws_window_s, **point)
+                baselines.bench_exllamav2_websocket(
+                    model, n, timeout_s=args.ws_window_s, server_cpus=place.server, **point
+                )
             )
             for n in args.concurrency
         ],
@@ -132,8 +142,12 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
             if repeat and key not in args.repeat_systems:
                 continue
             started = time.monotonic()
+            # (a), (e) and (d) run the model in this process: on the system's CPUs. (b) and (c)
+            # start it in a child on those CPUs, and this process drives clients from the rest.
+            cpus = place.server if key in IN_PROCESS else place.load
             try:
-                systems[key]()
+                with on_cpus(cpus):
+                    systems[key]()
             except Exception as exc:  # one system failing must not lose the others' figures
                 rows.append({"shape": shape, "system": key, "error": repr(exc)})
                 print(f"system {key} on {shape} failed: {exc!r}", flush=True)
@@ -185,7 +199,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "server (exllamav2 holds back text that ends in partial UTF-8, so a chunk of several "
         "tokens is one event), per token for transformers. ms/step is the mean over every "
         "generator step, prefill steps included. With repeats, tok/s and TTFT p50 are "
-        "medians over the runs.",
+        "medians over the runs." + (f" CPUs: {meta['cpus']}." if meta.get("cpus") else ""),
         f"Command: `{meta['command']}`",
         "",
     ]
@@ -298,6 +312,18 @@ def main() -> None:
     ap.add_argument("--ws-window-s", type=float, default=20.0)
     ap.add_argument("--sampling-threads", type=int, default=1, help="for (a) and (b) alike")
     ap.add_argument("--engine-runner", default="process", help="(b): process or thread")
+    ap.add_argument(
+        "--worker-cpus",
+        default="auto",
+        help="CPUs of the system under test, e.g. 0-3; clients and Redis get the rest. auto: "
+        f"the first {AUTO_SERVER_CPUS} with {AUTO_MIN_CPUS}+ CPUs; all: no placement",
+    )
+    ap.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=WorkerSettings.model_fields["prefill_batch_tokens"].default,
+        help="(b) and (e): batched prefill budget; 0 prefills one job a pass",
+    )
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="appended to the output files' names")
@@ -317,6 +343,7 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "cache_tokens": args.cache_tokens,
+        "cpus": placement(args.worker_cpus).describe(),
         "command": "python -m bench.run "
         + " ".join(
             f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ','.join(map(str, v))}"
