@@ -325,6 +325,32 @@ def _exl_release(model: Any, generator: Any) -> None:
         model.unload()
 
 
+def _warm_up(generator: Any, prompts: list[list[int]]) -> None:
+    """exllamav2's warm-up, exlq's prefill warm-up where the generator has one (as
+    exlq's engine runs at start), then as many short jobs as the run has, on other prompts:
+    every kernel variant the run needs compiles here, and the prefix cache learns nothing of
+    the real prompts."""
+    import torch
+
+    exl_gen = importlib.import_module("exllamav2.generator")
+    generator.warmup()
+    if hasattr(generator, "warm_up_prefill"):
+        generator.warm_up_prefill()
+    generator.enqueue(
+        [
+            exl_gen.ExLlamaV2DynamicJob(
+                input_ids=torch.tensor([ids], dtype=torch.long),
+                max_new_tokens=8,
+                stop_conditions=[],
+                gen_settings=exl_gen.ExLlamaV2Sampler.Settings.greedy(),
+            )
+            for ids in prompts
+        ]
+    )
+    while generator.num_remaining_jobs():
+        generator.iterate()
+
+
 def bench_exllamav2_dynamic(
     model_dir: str | Path,
     concurrency: int,
@@ -380,23 +406,9 @@ def bench_exllamav2_dynamic(
             graphs.install_decode_graphs(generator, concurrency)
         load_s = time.perf_counter() - t_load
         if warmup:
-            generator.warmup()
-            # As many short jobs as the run has, on other prompts: every kernel variant the
-            # run needs compiles here, and the prefix cache learns nothing of the real prompts.
-            generator.enqueue(
-                [
-                    exl_gen.ExLlamaV2DynamicJob(
-                        input_ids=torch.tensor([ids], dtype=torch.long),
-                        max_new_tokens=8,
-                        stop_conditions=[],
-                        gen_settings=exl_gen.ExLlamaV2Sampler.Settings.greedy(),
-                    )
-                    for ids in random_prompt_ids(model_dir, concurrency, prompt_tokens, seed + 1000)
-                ]
+            _warm_up(
+                generator, random_prompt_ids(model_dir, concurrency, prompt_tokens, seed + 1000)
             )
-            while generator.num_remaining_jobs():
-                generator.iterate()
-
         settings = exl_gen.ExLlamaV2Sampler.Settings.greedy()
         jobs = [
             exl_gen.ExLlamaV2DynamicJob(

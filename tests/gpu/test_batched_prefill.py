@@ -118,3 +118,25 @@ def test_exllamav2_still_prefills_the_way_the_batcher_relies_on(cuda: None) -> N
     ]
     at = [iterate.find(step) for step in steps]
     assert -1 not in at and at == sorted(at), "iterate() changed: ExlqDynamicGenerator copies it"
+
+
+def _compiled_variants() -> int:
+    from worker.kernels.paged_attention import _paged_attn_fwd
+
+    caches = getattr(_paged_attn_fwd, "device_caches", None)
+    if caches is None:
+        pytest.fail("triton moved its kernel cache: update how this test counts variants")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_warm_up_compiles_what_a_ragged_burst_needs(make_generator: Any) -> None:
+    generator = make_generator(exlq=False, max_batch=16, prefill_batch_tokens=4096)
+    generator.warmup()
+    seconds = generator.warm_up_prefill()
+    compiled = _compiled_variants()
+    rng = random.Random(5)
+    vocab = generator.tokenizer.get_vocab_size()
+    lengths = [1100, 700, 300, 200, 180, 40, 30, 21, 9, 6, 4, 3, 2]
+    _first_logits(generator, [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths])
+    print(f"\nprefill warm-up {seconds:.1f} s, {compiled} attention variants")
+    assert _compiled_variants() == compiled, "a burst compiled a kernel variant mid-service"

@@ -111,6 +111,9 @@ class ExLlamaV2Engine(Engine):
             max_sampling_threads=settings.sampling_threads,
         )
         self.generator.warmup()
+        if hasattr(self.generator, "warm_up_prefill"):
+            seconds = self.generator.warm_up_prefill()
+            log.info("prefill kernels compiled in %.1f s", seconds)
         self.graphs: DecodeGraphs | None = None
         if settings.cuda_graphs:
             from worker.engines.exllamav2_graphs import install_decode_graphs

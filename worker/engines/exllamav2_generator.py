@@ -34,6 +34,7 @@ from worker.engines.exllamav2_attention import (
     padding_supported,
 )
 from worker.engines.exllamav2_prefill import PrefillBatcher
+from worker.kernels.paged_attention import TILE_CLASS_ROWS
 from worker.kernels.sampling import sample_rows
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,44 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             self.prefill_batcher = PrefillBatcher(
                 self, min(prefill_batch_tokens, scratch_rows), padding_supported()
             )
+
+    def warm_up_prefill(self) -> float:
+        """Compile the attention kernel's prefill variants now rather than in the middle of
+        serving (measured: over a second of compiles in a 128-job burst). For each tile
+        class: one job alone, then, where rows may be padded, two jobs of unequal length in
+        one padded pass. Returns the seconds it took."""
+        batcher = self.prefill_batcher
+        if batcher is None:
+            return 0.0
+        config = self.model.config
+        group = config.num_attention_heads // config.num_key_value_heads
+        tokens = torch.Generator().manual_seed(0)
+        started = time.perf_counter()
+        for rows in TILE_CLASS_ROWS:
+            longest = min(max(2, -(-rows // group)), self.max_chunk_size)
+            self._run_prompts([longest + 1], tokens)
+            if batcher.padding and 2 * longest <= batcher.budget_tokens:
+                self._run_prompts([longest + 1, (longest + 1) // 2 + 1], tokens)
+        return time.perf_counter() - started
+
+    def _run_prompts(self, lengths: list[int], tokens: Any) -> None:
+        """Random prompts of these lengths, one new token each, admitted together."""
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        vocab = self.model.config.vocab_size
+        self.enqueue(
+            [
+                ExLlamaV2DynamicJob(
+                    input_ids=torch.randint(1, vocab, (1, n), generator=tokens),
+                    max_new_tokens=1,
+                    stop_conditions=[],
+                    gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                )
+                for n in lengths
+            ]
+        )
+        while self.num_remaining_jobs():
+            self.iterate()
 
     def iterate(self) -> list[Any]:
         batcher = self.prefill_batcher

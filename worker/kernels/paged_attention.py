@@ -40,6 +40,9 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 # Rows (q_len * group) up to which a call is treated as decode: small query tile, long key blocks.
 _DECODE_ROWS = 64
+# One row count (q_len * group) of each tile class _tiles() picks: what a warm-up runs so that
+# every variant a workload can meet is compiled before it serves.
+TILE_CLASS_ROWS = (16, 32, _DECODE_ROWS, 1024, 2048)
 # Fewest keys worth a split-K program of their own. exllamav2 calls this once per layer per
 # step and its steps are bound by host time: the merge launch costs about 50 us of host time,
 # more than splitting saves on the GPU below several thousand keys (H200, bench/
