@@ -118,7 +118,7 @@ class PrefillBatcher:
         ids = kwargs["input_ids"]
         start, length = int(params.cache_seqlens[0]), int(ids.shape[-1])
         last_page = (start + length - 1) // self.page_size
-        pages = [int(p) for p in params.block_index[0, : last_page + 1]]
+        pages: list[int] = params.block_index[0, : last_page + 1].tolist()
         writes = set(pages[start // self.page_size :])
         if self._writes.intersection(pages) or self._reads.intersection(writes):
             self.flush()
