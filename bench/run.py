@@ -19,7 +19,7 @@ from typing import Any
 from bench import baselines
 from bench.exlq_path import bench_exlq
 from bench.make_checkpoint import make_checkpoint
-from bench.placement import AUTO_MIN_CPUS, AUTO_SERVER_CPUS, on_cpus, placement
+from bench.placement import AUTO_MIN_CPUS, AUTO_SERVER_CPUS, Placement, on_cpus, placement
 from worker.settings import WorkerSettings
 
 # Systems whose model runs inside the bench process.
@@ -71,7 +71,9 @@ def exlq_attention_patch() -> None:
     install_attention("exlq")
 
 
-def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
+def run_shape(
+    shape: str, args: argparse.Namespace, bandwidth: float, place: Placement
+) -> list[dict[str, Any]]:
     """`shape` names a random-weight shape (made on the spot), or is a model directory that
     exists already (an EXL2 conversion, say), which is then named by its folder."""
     given = Path(shape)
@@ -106,7 +108,6 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> list[di
                 )
             )
 
-    place = placement(args.worker_cpus)
     systems: dict[str, Callable[[], None]] = {
         "a": lambda: generator_alone(exlq_decode=False),
         "e": lambda: generator_alone(exlq_decode=True),
@@ -336,6 +337,7 @@ def main() -> None:
         return
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     bandwidth = measure_bandwidth()
+    place = placement(args.worker_cpus)
     meta = {
         "gpu": gpu_name(),
         "bandwidth_tb_s": bandwidth / 1e12,
@@ -343,7 +345,7 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "cache_tokens": args.cache_tokens,
-        "cpus": placement(args.worker_cpus).describe(),
+        "cpus": place.describe(),
         "command": "python -m bench.run "
         + " ".join(
             f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ','.join(map(str, v))}"
@@ -353,7 +355,7 @@ def main() -> None:
     }
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
-        rows += run_shape(shape, args, bandwidth)
+        rows += run_shape(shape, args, bandwidth, place)
     write(rows, meta, Path(args.out), args.tag)
 
 
