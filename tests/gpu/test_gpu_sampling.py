@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -154,6 +155,51 @@ def test_generator_output_is_unchanged_for_greedy_and_repeatable_when_seeded(
     assert all(len(t) == 24 + 3 * i for i, t in enumerate(first))
     assert first[0] != want[0]  # temperature 0.9 does sample
     print(f"\nGPU-sampled steps {exlq.gpu_sampled}, CPU-sampled steps {exlq.cpu_sampled}")
+
+
+def test_a_burst_of_new_jobs_starts_decoding_without_a_gpu_sync_per_job(
+    make_generator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """exllamav2 stamps each job's first decode step after cuda_sync_active(): a GPU sync and
+    a torch.cuda.memory_stats() read per job, which doubled the first step of a burst. The
+    decode step exlq runs stamps them all without either."""
+    import torch
+    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    generator = make_generator(exlq=True, max_batch=16)
+    rng = torch.Generator().manual_seed(5)
+    jobs = [
+        ExLlamaV2DynamicJob(
+            input_ids=torch.randint(3, 32000, (1, 40 + 9 * i), generator=rng),
+            max_new_tokens=4,
+            stop_conditions=[],
+            gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+            identifier=i,
+        )
+        for i in range(12)
+    ]
+    # cuda_sync_active() reads torch.cuda.memory_allocated(), so memory_stats(), before it
+    # syncs: a memory_stats() call per job is its mark. Plain synchronize() calls are not
+    # counted: this unwarmed, unbatched prefill path makes some (51 for these 12 jobs).
+    exllamav2_dynamic = importlib.import_module("exllamav2.generator.dynamic")
+    calls: list[str] = []
+    memory_stats = torch.cuda.memory.memory_stats
+
+    def counted_stats(*args: Any, **kwargs: Any) -> Any:
+        calls.append("memory_stats")
+        return memory_stats(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats", counted_stats)
+    monkeypatch.setattr(exllamav2_dynamic, "cuda_sync_active", lambda: calls.append("sync"))
+    generator.enqueue(jobs)
+    while any(job.time_first_token is None for job in jobs):
+        generator.iterate()
+    assert calls == []
+    stamps = {job.time_first_token for job in jobs}
+    while generator.num_remaining_jobs():
+        generator.iterate()
+    assert all(job.new_tokens == 4 for job in jobs)
+    print(f"\n12 jobs entered decode in {len(stamps)} step(s), no cuda_sync_active()")
 
 
 def test_exllamav2_still_has_what_the_generator_override_uses(cuda: None) -> None:

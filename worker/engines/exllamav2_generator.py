@@ -9,8 +9,9 @@ implements are sampled there in one batch, the rest exactly as exllamav2 does, a
 then goes through exllamav2's own receive_sample (stop conditions, held text, page hashing).
 Otherwise the method does what exllamav2 0.3.2's iterate_gen does, step for step, except
 that jobs on the CPU path are sampled on the calling thread (exllamav2's sampling-thread pool
-measured no faster). tests/gpu/test_gpu_sampling.py checks the hook points and that greedy
-output does not change.
+measured no faster), and that jobs entering decode are not stamped through a GPU sync each.
+tests/gpu/test_gpu_sampling.py checks the hook points and that greedy output does not
+change.
 
 With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
 exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job.
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 from exllamav2.ext import none_tensor
 from exllamav2.generator import ExLlamaV2DynamicGenerator
-from exllamav2.util import cuda_sync_active
 
 from worker.engines.exllamav2_attention import (
     PINNED_EXLLAMAV2,
@@ -225,10 +225,15 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         active_embeddings: list[Any] = []
         mrope = self.model.config.arch.lm.mrope
         rope_offsets_list: list[Any] | None = [] if mrope else None
+        # exllamav2 stamps a job's first decode step after cuda_sync_active(), once per job:
+        # a full GPU sync plus torch.cuda.memory_stats() (about 0.2 ms of Python) for each
+        # new job, which doubled the first decode step of a 32-job burst. One host timestamp
+        # for the step instead; the stamp feeds only exllamav2's time_prefill/time_generate
+        # statistics, which exlq does not report.
+        now = time.time()
         for job in jobs:
             if job.time_first_token is None:
-                cuda_sync_active()
-                job.time_first_token = time.time()
+                job.time_first_token = now
             job_ids = job.get_input_ids_list(add_to_cache=True)
             input_ids_list += job_ids
             active_embeddings += job.embeddings
