@@ -88,11 +88,14 @@ def _vocab_size(model_dir: str | Path) -> int:
 def random_prompt_ids(
     model_dir: str | Path, n: int, prompt_tokens: int, seed: int = 0
 ) -> list[list[int]]:
-    """n prompts of prompt_tokens random ordinary token ids, each different (no prefix reuse)."""
+    """n prompts of prompt_tokens random ordinary token ids, each different (no prefix reuse),
+    also from the prompts of every other n: a server that keeps its prefix cache from one
+    concurrency point to the next (exlq's worker does) must not find the next point's
+    prompts cached, where a generator loaded afresh for each point would not."""
     vocab = _vocab_size(model_dir)
     out = []
     for i in range(n):
-        rng = random.Random(seed * 1_000_003 + i)
+        rng = random.Random(f"{seed}/{n}/{i}")
         out.append([rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(prompt_tokens)])
     return out
 
