@@ -161,7 +161,7 @@ def test_a_burst_of_new_jobs_starts_decoding_without_a_gpu_sync_per_job(
     make_generator: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """exllamav2 stamps each job's first decode step after cuda_sync_active(): a GPU sync and
-    a torch.cuda.memory_stats() read per job, which doubled the first step of a burst. The
+    a torch.cuda.memory_stats() read per job, all in the step after a burst's prefill. The
     decode step exlq runs stamps them all without either."""
     import torch
     from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler

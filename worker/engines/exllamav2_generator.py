@@ -227,8 +227,8 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         rope_offsets_list: list[Any] | None = [] if mrope else None
         # exllamav2 stamps a job's first decode step after cuda_sync_active(), once per job:
         # a full GPU sync plus torch.cuda.memory_stats() (about 0.2 ms of Python) for each
-        # new job, which doubled the first decode step of a 32-job burst. One host timestamp
-        # for the step instead; the stamp feeds only exllamav2's time_prefill/time_generate
+        # new job, all in the step that follows a burst's prefill. One host timestamp for the
+        # step instead; the stamp feeds only exllamav2's time_prefill/time_generate
         # statistics, which exlq does not report.
         now = time.time()
         for job in jobs:
