@@ -31,6 +31,7 @@ from producer.protocol import (
     final_state,
     parse_event,
 )
+from producer.submit_batch import SubmitBatcher
 from producer.subscriber import RECONNECTED, EventRouter
 
 log = logging.getLogger(__name__)
@@ -40,22 +41,6 @@ DEFAULT_STATE_TTL_S = 24 * 3600
 # was published while its events could not arrive. After a reconnect the router tells
 # every handle at once; this is the fallback for losses nobody noticed.
 RESULT_POLL_S = 30.0
-
-# Atomic: dedupe on the job id, refuse when the backlog is full, enqueue, record state.
-_SUBMIT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {'duplicate', redis.call('HGET', KEYS[1], 'state') or ''}
-end
-local max_backlog = tonumber(ARGV[3])
-if max_backlog > 0 then
-  local backlog = redis.call('XLEN', KEYS[2])
-  if backlog >= max_backlog then return {'full', tostring(backlog)} end
-end
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
-redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'attempts', 0)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return {'queued', entry}
-"""
 
 # Mark the job so a worker that has not started it never will, and tell running workers.
 _CANCEL_LUA = """
@@ -118,7 +103,7 @@ class JobHandle:
         while self._final is None:
             for event in await self._next_events():
                 yield self._track(event)
-        await self._producer._release(self.id)
+        await self._producer._release(self.id, self._events)
 
     async def _next_events(self) -> list[Event]:
         try:
@@ -310,7 +295,7 @@ class AsyncProducer:
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
         self._router = EventRouter(client)
-        self._submit_script = self._redis.register_script(_SUBMIT_LUA)
+        self._submits = SubmitBatcher(client, self._router)
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
 
     async def __aenter__(self) -> AsyncProducer:
@@ -320,6 +305,7 @@ class AsyncProducer:
         await self.close()
 
     async def close(self) -> None:
+        await self._submits.close()
         await self._router.close()
         if self._owns_client:
             await self._redis.aclose(close_connection_pool=True)
@@ -328,32 +314,25 @@ class AsyncProducer:
         self, prompt: str | None = None, *, request: GenerationRequest | None = None, **fields: Any
     ) -> JobHandle:
         """Enqueue a job and return its handle. Subscribes before enqueuing, so no event is
-        missed. Submitting an id that exists returns a handle to that same job."""
+        missed. Submitting an id that exists returns a handle to that same job. Submits made
+        at once (from many tasks) go to Redis together: one SUBSCRIBE, one pipeline."""
         if request is None:
             request = build_request(prompt, fields)
         elif prompt is not None or fields:
             raise TypeError("pass either request= or prompt and fields, not both")
-        channel = self.keys.events(request.id)
-        events = await self._router.subscribe(channel)
-        try:
-            outcome, detail = await self._submit_script(
-                keys=[self.keys.job(request.id), self.keys.jobs],
-                args=[
-                    request.model_dump_json(exclude_none=True),
-                    self.state_ttl_s,
-                    self.max_backlog,
-                ],
-            )
-        except BaseException:
-            await self._router.unsubscribe(channel)
-            raise
-        if outcome == b"full":
-            await self._router.unsubscribe(channel)
+        submitted = await self._submits.submit(
+            self.keys.events(request.id),
+            keys=[self.keys.job(request.id), self.keys.jobs],
+            args=[request.model_dump_json(exclude_none=True), self.state_ttl_s, self.max_backlog],
+        )
+        if submitted.outcome == "full":
             raise QueueFull(
-                f"queue {self.keys.queue!r} holds {detail.decode()} jobs, at its limit of "
+                f"queue {self.keys.queue!r} holds {submitted.detail} jobs, at its limit of "
                 f"{self.max_backlog}: retry later or add workers"
             )
-        return JobHandle(self, request.id, events, duplicate=outcome == b"duplicate")
+        return JobHandle(
+            self, request.id, submitted.events, duplicate=submitted.outcome == "duplicate"
+        )
 
     async def get_result(self, job_id: str) -> JobResult | None:
         raw = await self._redis.get(self.keys.result(job_id))
@@ -378,9 +357,9 @@ class AsyncProducer:
         )
         return state.decode() if isinstance(state, bytes) else str(state)
 
-    async def _release(self, job_id: str) -> None:
+    async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
         with contextlib.suppress(Exception):
-            await self._router.unsubscribe(self.keys.events(job_id))
+            await self._router.unsubscribe_many([(self.keys.events(job_id), events)])
 
 
 def _log_retry(state: RetryCallState) -> None:

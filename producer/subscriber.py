@@ -22,15 +22,17 @@ _READ_POLL_S = 1.0
 
 
 class EventRouter:
-    """Reads one PubSub connection and hands each message to the queue of its channel.
+    """Reads one PubSub connection and hands each message to the queues of its channel.
 
     Subscribing waits for the server's confirmation, so a caller that enqueues a job
-    after ``subscribe()`` returns cannot miss its first event.
+    after ``subscribe_many()`` returns cannot miss its first event. Two handles of one job
+    (the same id submitted twice) each get a queue of their own; the channel is left when
+    the last of them lets go.
     """
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._pubsub = client.pubsub()
-        self._queues: dict[str, asyncio.Queue[bytes]] = {}
+        self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}
         self._confirmations: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -39,29 +41,53 @@ class EventRouter:
     def channel_count(self) -> int:
         return len(self._queues)
 
-    async def subscribe(self, channel: str) -> asyncio.Queue[bytes]:
+    async def subscribe_many(self, channels: list[str]) -> list[asyncio.Queue[bytes]]:
+        """One queue per entry of ``channels``, returned once the server has confirmed every
+        channel; one SUBSCRIBE carries those not yet subscribed. On failure, none of the
+        queues stays registered."""
         async with self._lock:
             if self._reader is None:
                 await self._pubsub.connect()  # type: ignore[no-untyped-call]
                 self._reader = asyncio.create_task(self._read_loop(), name="exlq-event-router")
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
-        confirmed = asyncio.get_running_loop().create_future()
-        self._queues[channel] = queue
-        self._confirmations[channel] = confirmed
+        loop = asyncio.get_running_loop()
+        queues: list[asyncio.Queue[bytes]] = []
+        new: list[str] = []
+        waits: list[asyncio.Future[None]] = []
+        for channel in channels:
+            queue: asyncio.Queue[bytes] = asyncio.Queue()
+            queues.append(queue)
+            if channel not in self._queues:
+                self._queues[channel] = []
+                self._confirmations[channel] = loop.create_future()
+                new.append(channel)
+            self._queues[channel].append(queue)
+            confirmed = self._confirmations.get(channel)
+            if confirmed is not None:  # None: confirmed long ago
+                waits.append(confirmed)
         try:
-            await self._pubsub.subscribe(channel)
-            await asyncio.wait_for(confirmed, SUBSCRIBE_TIMEOUT_S)
+            if new:
+                await self._pubsub.subscribe(*new)
+            await asyncio.wait_for(asyncio.gather(*waits), SUBSCRIBE_TIMEOUT_S)
         except BaseException:
-            self._queues.pop(channel, None)
-            self._confirmations.pop(channel, None)
+            await self.unsubscribe_many(list(zip(channels, queues, strict=True)))
             raise
-        return queue
+        return queues
 
-    async def unsubscribe(self, channel: str) -> None:
-        if self._queues.pop(channel, None) is None:
-            return
-        with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
-            await self._pubsub.unsubscribe(channel)
+    async def unsubscribe_many(self, subscriptions: list[tuple[str, asyncio.Queue[bytes]]]) -> None:
+        """Drop these (channel, queue) pairs; leave every channel that has no queue left."""
+        emptied: list[str] = []
+        for channel, queue in subscriptions:
+            held = self._queues.get(channel)
+            if held is None or queue not in held:
+                continue
+            held.remove(queue)
+            if not held:
+                del self._queues[channel]
+                self._confirmations.pop(channel, None)
+                emptied.append(channel)
+        if emptied:
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+                await self._pubsub.unsubscribe(*emptied)
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -87,8 +113,9 @@ class EventRouter:
                 continue
             if failures:  # back: redis-py has resubscribed every channel
                 failures = 0
-                for queue in self._queues.values():
-                    queue.put_nowait(RECONNECTED)
+                for held in self._queues.values():
+                    for queue in held:
+                        queue.put_nowait(RECONNECTED)
             if message is not None:
                 self._dispatch(message)
 
@@ -97,10 +124,10 @@ class EventRouter:
         channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
         kind = message["type"]
         if kind == "message":
-            queue = self._queues.get(channel)
             data = message["data"]
-            if queue is not None and isinstance(data, bytes):
-                queue.put_nowait(data)
+            if isinstance(data, bytes):
+                for queue in self._queues.get(channel, ()):
+                    queue.put_nowait(data)
         elif kind == "subscribe":
             confirmed = self._confirmations.pop(channel, None)
             if confirmed is not None and not confirmed.done():

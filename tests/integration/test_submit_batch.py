@@ -1,0 +1,104 @@
+"""Submits made at once go to Redis together, and each caller still gets its own outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from producer import AsyncProducer, QueueFull
+from producer.keys import QueueKeys
+
+pytestmark = pytest.mark.integration
+
+
+async def _calls(client: aioredis.Redis, command: str) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_a_burst_of_submits_is_one_subscribe_and_one_pipeline_and_every_job_runs(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        await producer.submit("warm up", max_new_tokens=1)  # the script is loaded
+        await redis_client.config_resetstat()
+        prompts = [f"job {i} of the burst" for i in range(40)]
+        handles = await asyncio.gather(
+            *(producer.submit(p, max_new_tokens=4, id=f"burst-{i}") for i, p in enumerate(prompts))
+        )
+        assert await _calls(redis_client, "subscribe") == 1
+        assert await _calls(redis_client, "evalsha") == 40
+        assert [h.id for h in handles] == [f"burst-{i}" for i in range(40)]
+        await start_worker(max_batch_size=64)  # only now: its own scripts are EVALSHA too
+        results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
+    for prompt, result in zip(prompts, results, strict=True):
+        # The echo engine repeats the prompt's words: each handle got its own job's events.
+        assert result.state == "done"
+        assert result.text.split() == prompt.split()[:4]
+
+
+async def test_a_full_queue_refuses_only_the_submits_past_its_limit(
+    redis_url: str, queue_name: str, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncProducer(redis_url, queue=queue_name, max_backlog=3) as producer:
+        outcomes = await asyncio.gather(
+            *(producer.submit(f"job {i}", max_new_tokens=2) for i in range(5)),
+            return_exceptions=True,
+        )
+        refused = [o for o in outcomes if isinstance(o, QueueFull)]
+        assert len(refused) == 2
+        assert "at its limit of 3" in str(refused[0])
+        # Only the three queued jobs keep a subscription.
+        assert producer._router.channel_count == 3
+    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == 3
+
+
+async def test_the_same_id_twice_in_one_burst_is_one_job_with_two_live_handles(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    await start_worker()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        first, second = await asyncio.gather(
+            producer.submit("same job twice", max_new_tokens=3, id="twin"),
+            producer.submit("same job twice", max_new_tokens=3, id="twin"),
+        )
+        assert sorted([first.duplicate, second.duplicate]) == [False, True]
+        one, two = await asyncio.wait_for(
+            asyncio.gather(first.result(), second.result()), timeout=10
+        )
+        assert one.text == two.text
+        assert one.text.split() == ["same", "job", "twice"]
+        assert producer._router.channel_count == 0
+
+
+async def test_submits_go_on_after_redis_forgot_the_script(
+    redis_url: str, queue_name: str, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        await producer.submit("before", max_new_tokens=2)
+        await redis_client.script_flush()
+        handles = await asyncio.gather(
+            *(producer.submit(f"after {i}", max_new_tokens=2) for i in range(3))
+        )
+        assert not any(h.duplicate for h in handles)
+    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == 4
+
+
+async def test_a_submit_cancelled_while_its_batch_is_out_leaves_no_subscription(
+    redis_url: str, queue_name: str
+) -> None:
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        kept = asyncio.create_task(producer.submit("kept", max_new_tokens=2))
+        dropped = asyncio.create_task(producer.submit("dropped", max_new_tokens=2))
+        await asyncio.sleep(0)  # both are in the batch now
+        dropped.cancel()
+        handle = await kept
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        await producer._submits.close()
+        assert producer._router.channel_count == 1
+        await producer._release(handle.id, handle._events)
+        assert producer._router.channel_count == 0
