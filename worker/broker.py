@@ -218,7 +218,8 @@ class Broker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read(self, count: int, block_ms: int) -> list[StreamEntry]:
+    async def read(self, count: int, block_ms: int | None) -> list[StreamEntry]:
+        """Up to ``count`` new entries; wait up to ``block_ms`` for the first (None: no wait)."""
         # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
         reply = cast(
             "list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",

@@ -20,8 +20,7 @@ SLOW_STEP_S = 0.25
 
 @dataclass(frozen=True, slots=True)
 class _Add:
-    job_id: str
-    request: GenerationRequest
+    jobs: list[tuple[str, GenerationRequest]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +62,10 @@ class EngineRunner(Protocol):
 
     def add(self, job_id: str, request: GenerationRequest) -> None: ...
 
+    def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
+        """Hand (job id, request) pairs over together: the engine admits them in one pass."""
+        ...
+
     def cancel(self, job_id: str) -> None: ...
 
     def stop(self, timeout: float | None = None) -> None: ...
@@ -91,7 +94,11 @@ class EngineLoop:
         self.engine.close()
 
     def add(self, job_id: str, request: GenerationRequest) -> None:
-        self._commands.put(_Add(job_id, request))
+        self.add_many([(job_id, request)])
+
+    def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
+        if jobs:
+            self._commands.put(_Add(jobs))
 
     def cancel(self, job_id: str) -> None:
         self._commands.put(_Cancel(job_id))
@@ -145,16 +152,20 @@ class EngineLoop:
                 if ended is not None:
                     outputs.append(ended)
                 continue
-            try:
-                self.engine.add(command.job_id, command.request)
-            except InvalidRequest as exc:
-                outputs.append(JobErrored(command.job_id, "invalid_request", str(exc)))
-            except EngineDead:
-                raise
-            except Exception as exc:
-                log.exception("engine refused job %s", command.job_id)
-                outputs.append(JobErrored(command.job_id, "engine_error", _describe(exc)))
+            for job_id, request in command.jobs:
+                self._add(job_id, request, outputs)
         return True
+
+    def _add(self, job_id: str, request: GenerationRequest, outputs: list[EngineOutput]) -> None:
+        try:
+            self.engine.add(job_id, request)
+        except InvalidRequest as exc:
+            outputs.append(JobErrored(job_id, "invalid_request", str(exc)))
+        except EngineDead:
+            raise
+        except Exception as exc:
+            log.exception("engine refused job %s", job_id)
+            outputs.append(JobErrored(job_id, "engine_error", _describe(exc)))
 
     def _step(self, outputs: list[EngineOutput]) -> float:
         jobs = self.engine.active_jobs

@@ -95,7 +95,11 @@ class EngineProcess:
                 return
 
     def add(self, job_id: str, request: GenerationRequest) -> None:
-        self._send(("add", job_id, request))
+        self.add_many([(job_id, request)])
+
+    def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
+        if jobs:  # one message: the child's engine admits them in one pass
+            self._send(("add", jobs))
 
     def cancel(self, job_id: str) -> None:
         self._send(("cancel", job_id))
@@ -161,7 +165,7 @@ def _serve_commands(loop: EngineLoop, commands: Connection) -> None:
         except EOFError:  # the worker is gone: nothing will read what we make
             return
         if message[0] == "add":
-            loop.add(message[1], message[2])
+            loop.add_many(message[1])
         elif message[0] == "cancel":
             loop.cancel(message[1])
         elif message[0] == "stop":

@@ -145,7 +145,12 @@ class Worker:
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
-                entries = await self.broker.read(self.free_slots, self.settings.read_block_ms)
+                wanted = self.free_slots
+                entries = await self.broker.read(wanted, self.settings.read_block_ms)
+                if entries and len(entries) < wanted:
+                    # A blocked read returns on the first entry of a burst; take the rest
+                    # that has landed since, so the engine starts them in one pass.
+                    entries += await self.broker.read(wanted - len(entries), None)
                 if entries:
                     await self.accept(entries)
                 failures = 0
@@ -171,6 +176,7 @@ class Worker:
             [(request.id, entry.entry_id) for entry, request in decoded]
         )
         now = time.time()
+        admitted: list[tuple[str, GenerationRequest]] = []
         for (entry, request), decision in zip(decoded, decisions, strict=True):
             job = RunningJob(
                 job_id=request.id,
@@ -181,7 +187,10 @@ class Worker:
                 enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
                 started_at=now,
             )
-            self._start(batch, job, decision, now)
+            if self._start(batch, job, decision, now):
+                admitted.append((job.job_id, request))
+        # One hand-over: the engine starts the jobs of one read in the same pass.
+        self.engine.add_many(admitted)
         self._note_held()
         if batch:
             await self.commit(batch)
@@ -194,7 +203,8 @@ class Worker:
         self.limits.check(request)
         return request
 
-    def _start(self, batch: Batch, job: RunningJob, decision: StartDecision, now: float) -> None:
+    def _start(self, batch: Batch, job: RunningJob, decision: StartDecision, now: float) -> bool:
+        """Settle the job here, or hold it for the engine: True when the engine is to run it."""
         if decision.verdict in ("ended", "duplicate"):
             log.info(
                 "skipping entry %s of job %s: %s %s",
@@ -204,7 +214,7 @@ class Worker:
                 decision.detail,
             )
             batch.finish(Final(job.entry_id))
-            return
+            return False
         if job.attempt > 1:
             batch.publish(job.channel, job.requeued_event("its previous worker stopped"))
             self.metrics.job_requeued()
@@ -214,15 +224,15 @@ class Worker:
                 f"{self.settings.max_attempts}); every worker that ran it stopped"
             )
             self._fail(batch, job, JobErrored(job.job_id, "too_many_attempts", message), now)
-            return
+            return False
         deadline = job.request.deadline
         if decision.verdict == "cancel" or (deadline is not None and deadline <= now):
             reason: FinishReason = "cancelled" if decision.verdict == "cancel" else "expired"
             self._finish(batch, job, JobEnded(job.job_id, reason, 0, 0), now)
-            return
+            return False
         self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
         self.held[job.job_id] = job
-        self.engine.add(job.job_id, job.request)
+        return True
 
     def _reject(self, batch: Batch, entry: StreamEntry, message: str) -> None:
         """An entry that can never run: error event and failed result where it has a usable

@@ -89,3 +89,32 @@ def test_dead_engine_is_reported_as_fatal() -> None:
     report = reports.get(timeout=5)
     assert report.fatal == "CUDA context is lost"
     assert report.cache == CacheUsage(0, 0)
+
+
+class CountingEngine(FlakyEngine):
+    """FlakyEngine that records how many jobs each step ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.jobs_per_step: list[int] = []
+
+    def step(self) -> list[EngineOutput]:
+        self.jobs_per_step.append(self.active_jobs)
+        return super().step()
+
+
+def test_jobs_handed_over_together_start_in_the_same_step() -> None:
+    reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
+    engine = CountingEngine()
+    loop = EngineLoop(engine)
+    loop.start(reports.put)
+    loop.add_many(
+        [(f"j{i}", GenerationRequest(prompt="a b", max_new_tokens=2)) for i in range(12)]
+        + [("bad", GenerationRequest(prompt="refuse", max_new_tokens=2))]
+    )
+    ended = _collect(loop, reports, 13)
+    loop.stop(5)
+    # The whole hand-over was admitted before the first step; the refused job errored alone.
+    assert engine.jobs_per_step[0] == 12
+    assert sum(isinstance(e, JobEnded) for e in ended) == 12
+    assert [e.job_id for e in ended if isinstance(e, JobErrored)] == ["bad"]

@@ -1,0 +1,61 @@
+"""A burst of jobs reaches the engine together, so its prompts are prefilled together."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from producer import AsyncProducer
+from worker.broker import Broker, StreamEntry
+from worker.engines.base import EngineOutput
+from worker.engines.echo import EchoEngine
+
+pytestmark = pytest.mark.integration
+
+
+class CountingEngine(EchoEngine):
+    """Echo that records how many jobs each step ran."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=8, tokens_per_second=1000)
+        self.jobs_per_step: list[int] = []
+
+    def step(self) -> list[EngineOutput]:
+        self.jobs_per_step.append(self.active_jobs)
+        return super().step()
+
+
+async def test_jobs_that_land_while_a_read_returns_start_in_the_same_engine_step(
+    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = CountingEngine()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        real_read = Broker.read
+        rest: list[Any] = []
+        landed = asyncio.Event()
+
+        async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+            entries = await real_read(self, count, block_ms)
+            if entries and not landed.is_set():
+                landed.set()
+                # The blocked read returned on the burst's first job; the rest lands now.
+                rest.extend(
+                    await asyncio.gather(
+                        *(producer.submit(f"rest {i}", max_new_tokens=3) for i in range(5))
+                    )
+                )
+            return entries
+
+        monkeypatch.setattr(Broker, "read", read)
+        await start_worker(engine=engine, max_batch_size=8)
+        first = await producer.submit("first", max_new_tokens=3)
+        await asyncio.wait_for(landed.wait(), 10)
+        while len(rest) < 5:
+            await asyncio.sleep(0.01)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(h.result() for h in [first, *rest])), timeout=20
+        )
+    assert [r.state for r in results] == ["done"] * 6
+    assert engine.jobs_per_step[0] == 6
