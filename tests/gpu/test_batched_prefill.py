@@ -129,14 +129,26 @@ def _compiled_variants() -> int:
     return sum(len(entry[0]) for entry in caches.values())
 
 
-def test_warm_up_compiles_what_a_ragged_burst_needs(make_generator: Any) -> None:
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [1100, 700, 300, 200, 180, 40, 30, 21, 9, 6, 4, 3, 2],  # ragged: padded passes
+        [256] * 8,  # one length: unpadded passes of several rows
+        [40, 40, 1000, 1000, 1000],
+    ],
+    ids=["ragged", "equal-256", "equal-mixed"],
+)
+def test_warm_up_compiles_what_a_burst_needs(make_generator: Any, lengths: list[int]) -> None:
     generator = make_generator(exlq=False, max_batch=16, prefill_batch_tokens=4096)
     generator.warmup()
     seconds = generator.warm_up_prefill()
     compiled = _compiled_variants()
     rng = random.Random(5)
     vocab = generator.tokenizer.get_vocab_size()
-    lengths = [1100, 700, 300, 200, 180, 40, 30, 21, 9, 6, 4, 3, 2]
     _first_logits(generator, [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths])
     print(f"\nprefill warm-up {seconds:.1f} s, {compiled} attention variants")
-    assert _compiled_variants() == compiled, "a burst compiled a kernel variant mid-service"
+    if _compiled_variants() != compiled:
+        from worker.kernels.paged_attention import _paged_attn_fwd
+
+        keys = [key for entry in _paged_attn_fwd.device_caches.values() for key in entry[0]]
+        pytest.fail(f"a burst compiled a kernel variant mid-service; variants now: {keys}")
