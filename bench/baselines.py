@@ -330,15 +330,19 @@ def _exl_release(model: Any, generator: Any) -> None:
 
 def _warm_up(generator: Any, prompts: list[list[int]]) -> None:
     """exllamav2's warm-up, exlq's prefill warm-up where the generator has one (as
-    exlq's engine runs at start), then as many short jobs as the run has, on other prompts:
-    every kernel variant the run needs compiles here, and the prefix cache learns nothing of
-    the real prompts."""
-    import torch
-
-    exl_gen = importlib.import_module("exllamav2.generator")
+    exlq's engine runs at start), then short jobs on the prompts (_warm_up_jobs)."""
     generator.warmup()
     if hasattr(generator, "warm_up_prefill"):
         generator.warm_up_prefill()
+    _warm_up_jobs(generator, prompts)
+
+
+def _warm_up_jobs(generator: Any, prompts: list[list[int]]) -> None:
+    """As many short jobs as the run has, on other prompts: every kernel variant the run
+    needs compiles here, and the prefix cache learns nothing of the real prompts."""
+    import torch
+
+    exl_gen = importlib.import_module("exllamav2.generator")
     generator.enqueue(
         [
             exl_gen.ExLlamaV2DynamicJob(
@@ -352,6 +356,59 @@ def _warm_up(generator: Any, prompts: list[list[int]]) -> None:
     )
     while generator.num_remaining_jobs():
         generator.iterate()
+
+
+def run_dynamic(
+    generator: Any,
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    seed: int,
+    system: str,
+) -> dict[str, Any]:
+    """One timed run on a loaded dynamic generator: the prompts enqueued at once, greedy, no
+    stop conditions (no EOS), iterated until every job ends."""
+    import torch
+
+    exl_gen = importlib.import_module("exllamav2.generator")
+    settings = exl_gen.ExLlamaV2Sampler.Settings.greedy()
+    jobs = [
+        exl_gen.ExLlamaV2DynamicJob(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            stop_conditions=[],  # no EOS token, no stop string: exactly max_new_tokens each
+            gen_settings=settings,
+            identifier=j,
+            seed=seed + j,
+        )
+        for j, ids in enumerate(prompts)
+    ]
+    log = _StepLog(len(jobs))
+    t0 = time.perf_counter()
+    generator.enqueue(jobs)
+    while generator.num_remaining_jobs():
+        ts = time.perf_counter()
+        results = generator.iterate()
+        log.record(results, ts, time.perf_counter())
+    out = _summarize(
+        system=system,
+        model_dir=model_dir,
+        concurrency=len(prompts),
+        prompt_tokens=len(prompts[0]),
+        max_new_tokens=max_new_tokens,
+        t0=t0,
+        t_end=log.t_end,
+        token_times=log.event_times,
+        completion_tokens=sum(t or 0 for t in log.final_tokens),
+    )
+    made = [tt[0] - t0 for tt in log.token_times if tt]
+    made_itl = [b - a for tt in log.token_times for a, b in itertools.pairwise(tt)]
+    out["ttft_made_ms_p50"], out["ttft_made_ms_p99"] = percentiles(_ms(made))
+    out["itl_made_ms_p50"], out["itl_made_ms_p99"] = percentiles(_ms(made_itl))
+    out.update(log.figures())
+    out["unended_jobs"] = sum(t is None for t in log.final_tokens)
+    return out
 
 
 def bench_exllamav2_dynamic(
@@ -379,9 +436,7 @@ def bench_exllamav2_dynamic(
     batch sizes up to N, batched prefill of prefill_batch_tokens), without the queue around
     it.
     """
-    import torch
-
-    exl_gen = importlib.import_module("exllamav2.generator")
+    importlib.import_module("exllamav2.generator")  # attn_patch runs after exllamav2 loads
     if attn_patch is not None:
         attn_patch()
     if cache_tokens % PAGE_SIZE:
@@ -412,46 +467,18 @@ def bench_exllamav2_dynamic(
             _warm_up(
                 generator, random_prompt_ids(model_dir, concurrency, prompt_tokens, seed + 1000)
             )
-        settings = exl_gen.ExLlamaV2Sampler.Settings.greedy()
-        jobs = [
-            exl_gen.ExLlamaV2DynamicJob(
-                input_ids=torch.tensor([ids], dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=0,
-                stop_conditions=[],  # no EOS token, no stop string: exactly max_new_tokens each
-                gen_settings=settings,
-                identifier=j,
-                seed=seed + j,
-            )
-            for j, ids in enumerate(prompts)
-        ]
-        log = _StepLog(len(jobs))
-        t0 = time.perf_counter()
-        generator.enqueue(jobs)
-        while generator.num_remaining_jobs():
-            ts = time.perf_counter()
-            results = generator.iterate()
-            log.record(results, ts, time.perf_counter())
-
-        out = _summarize(
+        out = run_dynamic(
+            generator,
+            model_dir,
+            prompts,
+            max_new_tokens,
+            seed,
             system=(
                 "exlq-engine"
                 if exlq_decode
                 else "exllamav2-dynamic" + ("" if paged else "-unpaged")
             ),
-            model_dir=model_dir,
-            concurrency=concurrency,
-            prompt_tokens=prompt_tokens,
-            max_new_tokens=max_new_tokens,
-            t0=t0,
-            t_end=log.t_end,
-            token_times=log.event_times,
-            completion_tokens=sum(t or 0 for t in log.final_tokens),
         )
-        made = [tt[0] - t0 for tt in log.token_times if tt]
-        made_itl = [b - a for tt in log.token_times for a, b in itertools.pairwise(tt)]
-        out["ttft_made_ms_p50"], out["ttft_made_ms_p99"] = percentiles(_ms(made))
-        out["itl_made_ms_p50"], out["itl_made_ms_p99"] = percentiles(_ms(made_itl))
         peak = _cuda_peak()
         fit = (cache_tokens // PAGE_SIZE) // math.ceil((prompt_tokens + max_new_tokens) / PAGE_SIZE)
         notes = []
@@ -459,9 +486,8 @@ def bench_exllamav2_dynamic(
             notes.append("unpaged: one job at a time")
         elif fit < concurrency:
             notes.append(f"cache holds only {fit} of {concurrency} jobs at once")
-        if any(t is None for t in log.final_tokens):
+        if out.pop("unended_jobs"):
             notes.append("some jobs ended without an eos result")
-        out.update(log.figures())
         out.update(
             {
                 "cache_tokens": cache_tokens,

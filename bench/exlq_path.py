@@ -158,6 +158,102 @@ async def _run_point(
     return t0, t_end, times, sum(counts), parts
 
 
+class ExlqPath:
+    """Redis and one `exlq worker` on the model, kept up across runs: ``run()`` times one
+    burst of jobs through the producer SDK, as system (b)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_batch_size: int,
+        cache_tokens: int = 65536,
+        attention: str = "auto",
+        sampling_threads: int = 1,
+        engine_runner: str = "process",
+        prefill_batch_tokens: int = 4096,
+        worker_cpus: frozenset[int] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.options = {
+            "--max-batch-size": str(max_batch_size),
+            "--cache-tokens": str(cache_tokens),
+            "--attention": attention,
+            "--sampling-threads": str(sampling_threads),
+            "--engine-runner": engine_runner,
+            "--prefill-batch-tokens": str(prefill_batch_tokens),
+        }
+        self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
+        self.worker_cpus = worker_cpus
+        self.load_s = 0.0
+        self._redis = RedisServer()
+        self._worker: WorkerProcess | None = None
+
+    def __enter__(self) -> ExlqPath:
+        self._redis.__enter__()
+        try:
+            self._worker = WorkerProcess(
+                self.model_dir, self._redis.url, self.options, self.worker_cpus
+            )
+            self.load_s = self._worker.wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+        self._redis.__exit__(None, None, None)
+
+    def run(
+        self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int
+    ) -> dict[str, Any]:
+        worker = self._worker
+        assert worker is not None, "use ExlqPath as a context manager"
+        before: dict[str, float] = {}
+
+        def read_step_metrics(into: dict[str, float] = before) -> None:
+            for name in ("count", "sum"):
+                into[name] = worker.metric(f"exlq_engine_step_seconds_{name}")
+
+        t0, t_end, times, completion, parts = asyncio.run(
+            _run_point(self._redis.url, warm_up, prompts, max_new_tokens, read_step_metrics)
+        )
+        steps = worker.metric("exlq_engine_step_seconds_count") - before["count"]
+        step_sum = worker.metric("exlq_engine_step_seconds_sum") - before["sum"]
+        out = _summarize(
+            system=self.system,
+            model_dir=self.model_dir,
+            concurrency=len(prompts),
+            prompt_tokens=len(prompts[0]),
+            max_new_tokens=max_new_tokens,
+            t0=t0,
+            t_end=t_end,
+            token_times=times,
+            completion_tokens=completion,
+        )
+        out.update(
+            {
+                "steps": int(steps),
+                "step_ms_mean": step_sum / steps * 1000 if steps else None,
+                "max_batch_size": int(self.options["--max-batch-size"]),
+                "cache_tokens": int(self.options["--cache-tokens"]),
+                "attention": self.options["--attention"],
+                "load_s": self.load_s,
+                # Where the TTFT goes: the client's submit() (subscribe + enqueue), the
+                # worker's enqueue -> start and enqueue -> first token.
+                **{
+                    f"{name}_ms_p50": percentiles([v * 1000 for v in values], [50])[0]
+                    for name, values in parts.items()
+                },
+                "note": "times are when the SDK received each token event (ITL per event)",
+            }
+        )
+        return out
+
+
 def bench_exlq(
     model_dir: str | Path,
     concurrencies: list[int],
@@ -174,69 +270,23 @@ def bench_exlq(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One worker (max_batch_size = the largest concurrency unless given) serves every point."""
-    model_dir = Path(model_dir)
-    batch = max_batch_size or max(concurrencies)
     results = []
-    with RedisServer() as redis:
-        worker = WorkerProcess(
-            model_dir,
-            redis.url,
-            {
-                "--max-batch-size": str(batch),
-                "--cache-tokens": str(cache_tokens),
-                "--attention": attention,
-                "--sampling-threads": str(sampling_threads),
-                "--engine-runner": engine_runner,
-                "--prefill-batch-tokens": str(prefill_batch_tokens),
-            },
-            worker_cpus,
-        )
-        try:
-            load_s = worker.wait_ready()
-            for n in concurrencies:
-                prompts = random_prompt_ids(model_dir, n, prompt_tokens, seed)
-                warm_up = random_prompt_ids(model_dir, n, prompt_tokens, seed + 1000)
-                before: dict[str, float] = {}
-
-                def read_step_metrics(into: dict[str, float] = before) -> None:
-                    for name in ("count", "sum"):
-                        into[name] = worker.metric(f"exlq_engine_step_seconds_{name}")
-
-                t0, t_end, times, completion, parts = asyncio.run(
-                    _run_point(redis.url, warm_up, prompts, max_new_tokens, read_step_metrics)
-                )
-                steps = worker.metric("exlq_engine_step_seconds_count") - before["count"]
-                step_sum = worker.metric("exlq_engine_step_seconds_sum") - before["sum"]
-                out = _summarize(
-                    system="exlq" if engine_runner == "process" else f"exlq-{engine_runner}",
-                    model_dir=model_dir,
-                    concurrency=n,
-                    prompt_tokens=prompt_tokens,
-                    max_new_tokens=max_new_tokens,
-                    t0=t0,
-                    t_end=t_end,
-                    token_times=times,
-                    completion_tokens=completion,
-                )
-                out.update(
-                    {
-                        "steps": int(steps),
-                        "step_ms_mean": step_sum / steps * 1000 if steps else None,
-                        "max_batch_size": batch,
-                        "cache_tokens": cache_tokens,
-                        "attention": attention,
-                        "load_s": load_s,
-                        # Where the TTFT goes: the client's submit() (subscribe + enqueue),
-                        # the worker's enqueue -> start and enqueue -> first token.
-                        **{
-                            f"{name}_ms_p50": percentiles([v * 1000 for v in values], [50])[0]
-                            for name, values in parts.items()
-                        },
-                        "note": "times are when the SDK received each token event (ITL per event)",
-                    }
-                )
-                results.append(out)
-                print(f"exlq n={n}: {out['output_tokens_per_s']:.0f} tok/s", flush=True)
-        finally:
-            worker.stop()
+    with ExlqPath(
+        model_dir,
+        max_batch_size=max_batch_size or max(concurrencies),
+        cache_tokens=cache_tokens,
+        attention=attention,
+        sampling_threads=sampling_threads,
+        engine_runner=engine_runner,
+        prefill_batch_tokens=prefill_batch_tokens,
+        worker_cpus=worker_cpus,
+    ) as path:
+        for n in concurrencies:
+            out = path.run(
+                random_prompt_ids(model_dir, n, prompt_tokens, seed),
+                random_prompt_ids(model_dir, n, prompt_tokens, seed + 1000),
+                max_new_tokens,
+            )
+            results.append(out)
+            print(f"exlq n={n}: {out['output_tokens_per_s']:.0f} tok/s", flush=True)
     return results

@@ -1,0 +1,233 @@
+"""What the exlq path costs, measured in pairs: exlq against its own engine alone, both loaded
+once and run alternately, point by point, on the same prompts.
+
+`bench.run` loads the engine alone afresh for each point and runs every point of one
+system before the next, so the two runs of a pair are tens of seconds apart, and the drift
+of a shared GPU machine over that time is larger than the 3% being measured. Here the
+engine alone stays loaded in this process and one `exlq worker` stays up, as in service;
+each repeat of a point runs both on the same new prompts, back to back, in alternating
+order, and each pair gives one ratio.
+
+    python -m bench.paired --shape 1b --concurrency 1,8,32,64,128 --repeats 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import baselines
+from bench.exlq_path import ExlqPath
+from bench.make_checkpoint import make_checkpoint
+from bench.placement import Placement, on_cpus, placement
+from bench.run import RESULTS, exlq_attention_patch, gpu_name
+from worker.settings import WorkerSettings
+
+
+class EngineAlone:
+    """exlq's engine without the queue, as system (e): the worker's generator class, CUDA
+    graphs for 1..max_batch_size jobs, GPU sampling and batched prefill, loaded once."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        max_batch_size: int,
+        cache_tokens: int,
+        prefill_batch_tokens: int,
+        sampling_threads: int,
+    ) -> None:
+        importlib.import_module("exllamav2.generator")
+        exlq_attention_patch()
+        self.model_dir = model_dir
+        self.model, self.cache, self.generator = baselines._exl_load(
+            model_dir,
+            max_batch_size,
+            cache_tokens,
+            True,
+            None,
+            sampling_threads,
+            True,
+            prefill_batch_tokens,
+        )
+        graphs = importlib.import_module("worker.engines.exllamav2_graphs")
+        graphs.install_decode_graphs(self.generator, max_batch_size)
+        self.generator.warmup()
+        self.generator.warm_up_prefill()
+
+    def run(
+        self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int
+    ) -> dict[str, Any]:
+        """Short jobs on the warm-up prompts first, as (b) runs them through its producer."""
+        baselines._warm_up_jobs(self.generator, warm_up)
+        return baselines.run_dynamic(
+            self.generator, self.model_dir, prompts, max_new_tokens, 0, system="exlq-engine"
+        )
+
+    def close(self) -> None:
+        baselines._exl_release(self.model, self.generator)
+
+
+def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
+    model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
+    biggest = max(args.concurrency)
+    runs: list[dict[str, Any]] = []
+    with on_cpus(place.server):
+        engine = EngineAlone(
+            model, biggest, args.cache_tokens, args.prefill_batch_tokens, args.sampling_threads
+        )
+    try:
+        with ExlqPath(
+            model,
+            max_batch_size=biggest,
+            cache_tokens=args.cache_tokens,
+            attention="exlq",
+            sampling_threads=args.sampling_threads,
+            prefill_batch_tokens=args.prefill_batch_tokens,
+            worker_cpus=place.server,
+        ) as path:
+            for n in args.concurrency:
+                for repeat in range(args.repeats):
+                    # New prompts for every pair: neither prefix cache has seen them.
+                    prompts = baselines.random_prompt_ids(
+                        model, n, args.prompt_tokens, seed=1 + repeat
+                    )
+                    warm_up = baselines.random_prompt_ids(
+                        model, n, args.prompt_tokens, seed=10_001 + repeat
+                    )
+                    order = ("e", "b") if repeat % 2 == 0 else ("b", "e")
+                    for system in order:
+                        if system == "e":
+                            with on_cpus(place.server):
+                                row = engine.run(prompts, warm_up, args.max_new_tokens)
+                        else:
+                            with on_cpus(place.load):
+                                row = path.run(prompts, warm_up, args.max_new_tokens)
+                        row.update(repeat=repeat, shape=args.shape)
+                        runs.append(row)
+                        print(
+                            f"{row['system']} n={n} repeat {repeat}: "
+                            f"{row['output_tokens_per_s']:.0f} tok/s, "
+                            f"TTFT p50 {row['ttft_ms_p50']:.1f} ms",
+                            flush=True,
+                        )
+    finally:
+        engine.close()
+    return runs
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per N: each system's median tok/s, and the pairs' ratios and added TTFT."""
+    out = []
+    for n in sorted({r["concurrency"] for r in runs}):
+        pairs: dict[int, dict[str, dict[str, Any]]] = {}
+        for r in runs:
+            if r["concurrency"] == n:
+                pairs.setdefault(r["repeat"], {})[r["system"]] = r
+        whole = [p for p in pairs.values() if "exlq" in p and "exlq-engine" in p]
+        if not whole:
+            continue
+        ratios = [
+            p["exlq"]["output_tokens_per_s"] / p["exlq-engine"]["output_tokens_per_s"]
+            for p in whole
+        ]
+        added = [p["exlq"]["ttft_ms_p50"] - p["exlq-engine"]["ttft_ms_p50"] for p in whole]
+        out.append(
+            {
+                "concurrency": n,
+                "pairs": len(whole),
+                "engine_tok_s": statistics.median(
+                    p["exlq-engine"]["output_tokens_per_s"] for p in whole
+                ),
+                "exlq_tok_s": statistics.median(p["exlq"]["output_tokens_per_s"] for p in whole),
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "ratios": ratios,
+                "pairs_at_or_above_0_97": sum(r >= 0.97 for r in ratios),
+                "engine_ttft_ms_p50": statistics.median(
+                    p["exlq-engine"]["ttft_ms_p50"] for p in whole
+                ),
+                "added_ttft_ms_median": statistics.median(added),
+                "added_ttft_ms": added,
+            }
+        )
+    return out
+
+
+def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"GPU: {meta['gpu']}; {meta['date']}; {meta['shape']} shape; prompt "
+        f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens, EOS ignored, "
+        f"greedy; cache {meta['cache_tokens']} tokens; CPUs: {meta['cpus']}. Each pair runs "
+        "the engine alone and exlq back to back on the same new prompts, in alternating order.",
+        f"Command: `{meta['command']}`",
+        "",
+        "| N | pairs | engine alone tok/s | exlq tok/s | exlq / engine, paired median "
+        "(range) | pairs >= 0.97 | engine TTFT p50 ms | added TTFT p50 ms, median |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        lines.append(
+            f"| {s['concurrency']} | {s['pairs']} | {s['engine_tok_s']:,.0f} | "
+            f"{s['exlq_tok_s']:,.0f} | {s['ratio_median']:.3f} ({s['ratio_min']:.2f}-"
+            f"{s['ratio_max']:.2f}) | {s['pairs_at_or_above_0_97']} of {s['pairs']} | "
+            f"{s['engine_ttft_ms_p50']:.1f} | {s['added_ttft_ms_median']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", default="1b", help="a random-weight shape: 1b or 8b")
+    ap.add_argument("--concurrency", default="1,8,32,64,128")
+    ap.add_argument("--repeats", type=int, default=6, help="pairs at each concurrency")
+    ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
+    ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--cache-tokens", type=int, default=65536)
+    ap.add_argument("--sampling-threads", type=int, default=1)
+    ap.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=WorkerSettings.model_fields["prefill_batch_tokens"].default,
+    )
+    ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
+    ap.add_argument("--models", default="/tmp/exlq-models")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    place = placement(args.worker_cpus)
+    meta = {
+        "gpu": gpu_name(),
+        "date": dt.date.today().isoformat(),
+        "shape": args.shape,
+        "prompt_tokens": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "cache_tokens": args.cache_tokens,
+        "cpus": place.describe(),
+        "command": f"python -m bench.paired --shape {args.shape} --concurrency "
+        f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}",
+    }
+    started = time.monotonic()
+    runs = measure(args, place)
+    summary = summarize(runs)
+    meta["seconds"] = round(time.monotonic() - started)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}-paired-{args.shape}{args.tag}"
+    (out / f"{stem}.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2)
+    )
+    table = markdown(summary, meta)
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
