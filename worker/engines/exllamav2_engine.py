@@ -231,7 +231,10 @@ class ExLlamaV2Engine(Engine):
         outputs: list[EngineOutput] = []
         text: str = result.get("text", "")
         ids_tensor = result.get("token_ids")
-        token_ids: list[int] = [] if ids_tensor is None else ids_tensor.flatten().tolist()
+        token_ids: list[int] = []
+        if ids_tensor is not None:  # shape (1, n): one host call, not flatten() and tolist()
+            rows = ids_tensor.tolist()
+            token_ids = rows[0] if ids_tensor.ndim == 2 else rows
         if text or token_ids:
             outputs.append(TokenChunk(job_id, text, token_ids, self._logprobs(result)))
         if result["eos"]:
