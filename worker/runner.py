@@ -149,8 +149,11 @@ class Worker:
                 entries = await self.broker.read(wanted, self.settings.read_block_ms)
                 if entries and len(entries) < wanted:
                     # A blocked read returns on the first entry of a burst; take the rest
-                    # that has landed since, so the engine starts them in one pass.
-                    entries += await self.broker.read(wanted - len(entries), None)
+                    # that has landed since, so the engine starts them in one pass. If
+                    # that fails, the entries already read still run; the next read
+                    # meets the error.
+                    with contextlib.suppress(RedisError):
+                        entries += await self.broker.read(wanted - len(entries), None)
                 if entries:
                     await self.accept(entries)
                 failures = 0

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer import AsyncProducer
 from worker.broker import Broker, StreamEntry
@@ -59,3 +60,24 @@ async def test_jobs_that_land_while_a_read_returns_start_in_the_same_engine_step
         )
     assert [r.state for r in results] == ["done"] * 6
     assert engine.jobs_per_step[0] == 6
+
+
+async def test_entries_read_before_a_failed_follow_up_read_still_run(
+    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_read = Broker.read
+    failed: list[bool] = []
+
+    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+        if block_ms is None and not failed:
+            failed.append(True)
+            raise RedisConnectionError("connection reset while reading the rest of a burst")
+        return await real_read(self, count, block_ms)
+
+    monkeypatch.setattr(Broker, "read", read)
+    # Claims go stale only after a minute: the job must run now, not after a reclaim.
+    await start_worker(claim_idle_ms=60_000)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("still runs", max_new_tokens=2)
+        result = await asyncio.wait_for(handle.result(), timeout=10)
+    assert failed and result.state == "done"
