@@ -281,7 +281,7 @@ class _StepLog:
         }
 
 
-def _exl_load(
+def exl_load(
     model_dir: str | Path,
     concurrency: int,
     cache_tokens: int,
@@ -318,7 +318,7 @@ def _exl_load(
     return model, cache, generator
 
 
-def _exl_release(model: Any, generator: Any) -> None:
+def exl_release(model: Any, generator: Any) -> None:
     if generator is not None:
         for name in ("sampling_pool", "filter_pool"):
             pool = getattr(generator, name, None)
@@ -330,14 +330,14 @@ def _exl_release(model: Any, generator: Any) -> None:
 
 def _warm_up(generator: Any, prompts: list[list[int]]) -> None:
     """exllamav2's warm-up, exlq's prefill warm-up where the generator has one (as
-    exlq's engine runs at start), then short jobs on the prompts (_warm_up_jobs)."""
+    exlq's engine runs at start), then short jobs on the prompts (warm_up_jobs)."""
     generator.warmup()
     if hasattr(generator, "warm_up_prefill"):
         generator.warm_up_prefill()
-    _warm_up_jobs(generator, prompts)
+    warm_up_jobs(generator, prompts)
 
 
-def _warm_up_jobs(generator: Any, prompts: list[list[int]]) -> None:
+def warm_up_jobs(generator: Any, prompts: list[list[int]]) -> None:
     """As many short jobs as the run has, on other prompts: every kernel variant the run
     needs compiles here, and the prefix cache learns nothing of the real prompts."""
     import torch
@@ -449,7 +449,7 @@ def bench_exllamav2_dynamic(
     try:
         _cuda_reset_peak()
         t_load = time.perf_counter()
-        model, cache, generator = _exl_load(
+        model, cache, generator = exl_load(
             model_dir,
             max_batch_size or concurrency,
             cache_tokens,
@@ -502,7 +502,7 @@ def bench_exllamav2_dynamic(
         )
         return out
     finally:
-        _exl_release(model, generator)
+        exl_release(model, generator)
         del generator, cache, model
         _free_gpu()
 

@@ -45,7 +45,7 @@ class EngineAlone:
         importlib.import_module("exllamav2.generator")
         exlq_attention_patch()
         self.model_dir = model_dir
-        self.model, self.cache, self.generator = baselines._exl_load(
+        self.model, self.cache, self.generator = baselines.exl_load(
             model_dir,
             max_batch_size,
             cache_tokens,
@@ -64,13 +64,13 @@ class EngineAlone:
         self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int
     ) -> dict[str, Any]:
         """Short jobs on the warm-up prompts first, as (b) runs them through its producer."""
-        baselines._warm_up_jobs(self.generator, warm_up)
+        baselines.warm_up_jobs(self.generator, warm_up)
         return baselines.run_dynamic(
             self.generator, self.model_dir, prompts, max_new_tokens, 0, system="exlq-engine"
         )
 
     def close(self) -> None:
-        baselines._exl_release(self.model, self.generator)
+        baselines.exl_release(self.model, self.generator)
 
 
 def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
