@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from producer import AsyncProducer, QueueFull
 from producer.keys import QueueKeys
+from producer.submit_batch import MAX_BATCH
 
 pytestmark = pytest.mark.integration
 
@@ -102,3 +103,18 @@ async def test_a_submit_cancelled_while_its_batch_is_out_leaves_no_subscription(
         assert producer._router.channel_count == 1
         await producer._release(handle.id, handle._events)
         assert producer._router.channel_count == 0
+
+
+async def test_a_burst_larger_than_one_batch_goes_out_in_several(
+    redis_url: str, queue_name: str, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        await producer.submit("warm up", max_new_tokens=1)
+        await redis_client.config_resetstat()
+        handles = await asyncio.gather(
+            *(producer.submit(f"job {i}", max_new_tokens=1) for i in range(MAX_BATCH + 44))
+        )
+        assert await _calls(redis_client, "subscribe") == 2
+        assert len({h.id for h in handles}) == MAX_BATCH + 44
+        assert producer._router.channel_count == MAX_BATCH + 45
+    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == MAX_BATCH + 45
