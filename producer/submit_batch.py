@@ -5,7 +5,8 @@ Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst of 64
 the queue over tens of milliseconds, so a worker starts the first job alone. Batched, the
 burst costs one SUBSCRIBE for all its channels, then one pipeline of submit scripts, and
 lands in the stream together. A lone submit goes out on the next pass of the loop, as it
-did before: nothing waits for a batch to fill.
+did before: nothing waits for a batch to fill. A Redis that lost the script (a restart,
+SCRIPT FLUSH) gets it again (producer.scripts).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
+from producer.scripts import run_many
 from producer.subscriber import EventRouter
 
 # More than this many submits in one pass go out as several pipelines.
@@ -102,7 +103,7 @@ class SubmitBatcher:
             return
         subscriptions = [(p.channel, q) for p, q in zip(batch, queues, strict=True)]
         try:
-            replies = await self._run_scripts(batch)
+            replies = await run_many(self._redis, self._script, [(p.keys, p.args) for p in batch])
         except BaseException as exc:
             await self._router.unsubscribe_many(subscriptions)
             _fail(batch, exc)
@@ -123,25 +124,6 @@ class SubmitBatcher:
                 pending.done.set_result(Submitted(outcome, detail, subscription[1]))
         if unwanted:
             await self._router.unsubscribe_many(unwanted)
-
-    async def _run_scripts(self, batch: list[_Pending]) -> list[object]:
-        """One pipeline of EVALSHA; where Redis lost the script (a restart, SCRIPT FLUSH),
-        load it and run those again: a NOSCRIPT reply means the script did not run."""
-        replies: list[object] = [None] * len(batch)
-        todo = list(range(len(batch)))
-        for _ in range(2):
-            pipe = self._redis.pipeline(transaction=False)
-            for i in todo:
-                pending = batch[i]
-                pipe.evalsha(self._script.sha, len(pending.keys), *pending.keys, *pending.args)
-            results = await pipe.execute(raise_on_error=False)
-            for i, result in zip(todo, results, strict=True):
-                replies[i] = result
-            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
-            if not todo:
-                break
-            await self._redis.script_load(SUBMIT_LUA)
-        return replies
 
 
 def _text(part: object) -> str:

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from producer.keys import CONSUMER_GROUP, QueueKeys
+from producer.scripts import run_many
 
 # One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
 # each final that names a job (its "k" is the index of its result key: every key a script
@@ -235,15 +236,23 @@ class Broker:
 
     async def start_jobs(self, starts: list[tuple[str, str]]) -> list[StartDecision]:
         """For each (job_id, entry_id), decide whether to run it and count the attempt."""
-        pipe = self.client.pipeline(transaction=False)
-        for job_id, entry_id in starts:
-            await self._start(
-                keys=[self.keys.job(job_id)],
-                args=[self.consumer, self.result_ttl_s, entry_id],
-                client=pipe,
-            )
-        replies = await pipe.execute()
-        return [StartDecision(verdict.decode(), detail.decode()) for verdict, detail in replies]
+        if not starts:
+            return []
+        replies = await run_many(
+            self.client,
+            self._start,
+            [
+                ([self.keys.job(job_id)], [self.consumer, self.result_ttl_s, entry_id])
+                for job_id, entry_id in starts
+            ],
+        )
+        decisions = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+            verdict, detail = cast("list[bytes]", reply)
+            decisions.append(StartDecision(verdict.decode(), detail.decode()))
+        return decisions
 
     async def commit(self, batch: Batch) -> list[str]:
         """Write a batch atomically; returns the entries whose finals were not written
