@@ -160,7 +160,8 @@ async def _run_point(
 
 class ExlqPath:
     """Redis and one `exlq worker` on the model, kept up across runs: ``run()`` times one
-    burst of jobs through the producer SDK, as system (b)."""
+    burst of jobs through the producer SDK, as system (b). ``engine="echo"`` runs the same
+    harness without a GPU (the tests do)."""
 
     def __init__(
         self,
@@ -173,9 +174,11 @@ class ExlqPath:
         engine_runner: str = "process",
         prefill_batch_tokens: int = 4096,
         worker_cpus: frozenset[int] | None = None,
+        engine: str = "exllamav2",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.options = {
+            "--engine": engine,
             "--max-batch-size": str(max_batch_size),
             "--cache-tokens": str(cache_tokens),
             "--attention": attention,

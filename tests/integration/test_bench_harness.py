@@ -1,0 +1,40 @@
+"""The bench's exlq harness (system b) counts what the path delivers, on the echo engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.baselines import random_prompt_ids
+from bench.exlq_path import ExlqPath
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXLQ_BENCH_WORKER_LOG", str(tmp_path / "worker.log"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 32000}))
+    with ExlqPath(model, max_batch_size=8, engine="echo") as path:
+        rows = [
+            path.run(
+                random_prompt_ids(model, n, 16, seed=1),
+                random_prompt_ids(model, n, 16, seed=2),
+                max_new_tokens=12,
+            )
+            for n in (1, 8)
+        ]
+    for n, row in zip((1, 8), rows, strict=True):
+        assert row["concurrency"] == n
+        assert row["completion_tokens"] == 12 * n
+        assert row["output_tokens_per_s"] > 0
+        assert 0 < row["ttft_ms_p50"] < row["wall_s"] * 1000
+        # The parts of the TTFT that the SDK and the worker's done events report.
+        assert row["submit_ms_p50"] > 0 and row["queued_ms_p50"] >= 0
+        # The worker's step metric moved: the run was read from /metrics.
+        assert row["steps"] >= 12
