@@ -159,8 +159,7 @@ class RunnerDriver:
         self._done.clear()
         self._ended, self._steps, self._expected = [], [], len(requests)
         started = time.perf_counter()
-        for j, request in enumerate(requests):
-            self.runner.add(f"{started}-{j}", request)
+        self.runner.add_many([(f"{started}-{j}", request) for j, request in enumerate(requests)])
         if not self._done.wait(600) or self._fatal:
             raise RuntimeError(self._fatal or "jobs did not finish in 600 s")
         elapsed = time.perf_counter() - started

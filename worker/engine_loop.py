@@ -60,8 +60,6 @@ class EngineRunner(Protocol):
 
     def start(self, report: ReportSink) -> None: ...
 
-    def add(self, job_id: str, request: GenerationRequest) -> None: ...
-
     def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         """Hand (job id, request) pairs over together: the engine admits them in one pass."""
         ...
@@ -92,9 +90,6 @@ class EngineLoop:
 
     def close(self) -> None:
         self.engine.close()
-
-    def add(self, job_id: str, request: GenerationRequest) -> None:
-        self.add_many([(job_id, request)])
 
     def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         if jobs:

@@ -101,9 +101,6 @@ class EngineProcess:
             elif kind == "stopped":
                 return
 
-    def add(self, job_id: str, request: GenerationRequest) -> None:
-        self.add_many([(job_id, request)])
-
     def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         if jobs:  # one message: the child's engine admits them in one pass
             self._send(("add", jobs))

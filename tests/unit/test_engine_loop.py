@@ -45,15 +45,15 @@ def test_refused_and_failed_jobs_error_while_others_finish() -> None:
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
     loop = EngineLoop(FlakyEngine())
     loop.start(reports.put)
-    loop.add("a", GenerationRequest(prompt="refuse", max_new_tokens=3))
+    loop.add_many([("a", GenerationRequest(prompt="refuse", max_new_tokens=3))])
     ended = _collect(loop, reports, 1)
     assert ended == [JobErrored("a", "invalid_request", "prompt too long for this model")]
 
-    loop.add("b", GenerationRequest(prompt="explode", max_new_tokens=3))
+    loop.add_many([("b", GenerationRequest(prompt="explode", max_new_tokens=3))])
     ended = _collect(loop, reports, 1)
     assert ended == [JobErrored("b", "engine_error", "RuntimeError: kernel fault")]
 
-    loop.add("c", GenerationRequest(prompt="fine", max_new_tokens=3))
+    loop.add_many([("c", GenerationRequest(prompt="fine", max_new_tokens=3))])
     ended = _collect(loop, reports, 1)
     assert ended == [JobEnded("c", "length", 1, 3)]
     loop.stop(5)
@@ -63,7 +63,7 @@ def test_cancel_ends_a_job_at_once() -> None:
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
     loop = EngineLoop(EchoEngine(2, 50))
     loop.start(reports.put)
-    loop.add("long", GenerationRequest(prompt="x", max_new_tokens=10_000))
+    loop.add_many([("long", GenerationRequest(prompt="x", max_new_tokens=10_000))])
     reports.get(timeout=5)
     loop.cancel("long")
     ended = _collect(loop, reports, 1)
@@ -85,7 +85,7 @@ def test_dead_engine_is_reported_as_fatal() -> None:
     done = threading.Event()
     loop = EngineLoop(DeadEngine(1, 100))
     loop.start(lambda r: (reports.put(r), done.set()))
-    loop.add("x", GenerationRequest(prompt="x", max_new_tokens=3))
+    loop.add_many([("x", GenerationRequest(prompt="x", max_new_tokens=3))])
     report = reports.get(timeout=5)
     assert report.fatal == "CUDA context is lost"
     assert report.cache == CacheUsage(0, 0)
