@@ -94,15 +94,10 @@ class SubmitBatcher:
             await self._send(batch[start : start + MAX_BATCH])
 
     async def _send(self, batch: list[_Pending]) -> None:
+        subscriptions: list[tuple[str, asyncio.Queue[bytes]]] = []
         try:
             queues = await self._router.subscribe_many([p.channel for p in batch])
-        except BaseException as exc:
-            _fail(batch, exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        subscriptions = [(p.channel, q) for p, q in zip(batch, queues, strict=True)]
-        try:
+            subscriptions = [(p.channel, q) for p, q in zip(batch, queues, strict=True)]
             replies = await run_many(self._redis, self._script, [(p.keys, p.args) for p in batch])
         except BaseException as exc:
             await self._router.unsubscribe_many(subscriptions)
