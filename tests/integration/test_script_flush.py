@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from producer import AsyncProducer
+from producer.keys import QueueKeys
 
 pytestmark = pytest.mark.integration
 
@@ -15,10 +17,18 @@ pytestmark = pytest.mark.integration
 async def test_jobs_run_after_every_script_is_flushed(
     redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
 ) -> None:
-    await start_worker()
+    await start_worker(trim_interval_seconds=3600)  # the stream keeps every entry
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         first = await (await producer.submit("before the flush", max_new_tokens=2)).result(10)
         await redis_client.script_flush()
-        second = await (await producer.submit("after the flush", max_new_tokens=2)).result(10)
-    assert (first.state, second.state) == ("done", "done")
-    assert second.text.split() == ["after", "the"]
+        # A burst: one pipeline whose every call answers NOSCRIPT, then runs again.
+        handles = await asyncio.gather(
+            *(producer.submit(f"after flush {i}", max_new_tokens=3) for i in range(3))
+        )
+        assert not any(h.duplicate for h in handles)
+        after = await asyncio.gather(*(h.result(10) for h in handles))
+    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == 4
+    assert first.state == "done"
+    for i, result in enumerate(after):
+        assert result.state == "done"
+        assert result.text.split() == ["after", "flush", str(i)]

@@ -75,19 +75,6 @@ async def test_the_same_id_twice_in_one_burst_is_one_job_with_two_live_handles(
         assert producer._router.channel_count == 0
 
 
-async def test_submits_go_on_after_redis_forgot_the_script(
-    redis_url: str, queue_name: str, redis_client: aioredis.Redis
-) -> None:
-    async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        await producer.submit("before", max_new_tokens=2)
-        await redis_client.script_flush()
-        handles = await asyncio.gather(
-            *(producer.submit(f"after {i}", max_new_tokens=2) for i in range(3))
-        )
-        assert not any(h.duplicate for h in handles)
-    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == 4
-
-
 async def test_a_submit_cancelled_while_its_batch_is_out_leaves_no_subscription(
     redis_url: str, queue_name: str
 ) -> None:
