@@ -290,42 +290,22 @@ def exl_load(
     sampling_threads: int = 16,
     exlq_decode: bool = False,
     prefill_batch_tokens: int = 0,
-) -> tuple[Any, Any, Any]:
-    """Model (lazy, then load_autosplit with its cache), cache of cache_tokens, generator:
-    exllamav2's own, or with exlq_decode the one exlq's engine runs (GPU sampling, batched
-    prefill of prefill_batch_tokens)."""
-    exl = importlib.import_module("exllamav2")
-    exlq_generator = importlib.import_module("worker.engines.exllamav2_generator")
-    config = exl.ExLlamaV2Config(str(model_dir))
-    exlq_generator.size_model_config(
-        config, concurrency, prefill_batch_tokens if exlq_decode else 0
-    )
-    model = exl.ExLlamaV2(config, lazy_load=True)
-    cache = exl.ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
-    model.load_autosplit(cache, progress=False)
-    tokenizer = exl.ExLlamaV2Tokenizer(config)
-    generator = exlq_generator.make_dynamic_generator(
+) -> Any:
+    """The model, cache and generator, loaded as the worker loads them
+    (worker.engines.exllamav2_load): exllamav2's own generator, or with exlq_decode the one
+    exlq's engine runs (GPU sampling, batched prefill of prefill_batch_tokens). Returns the
+    LoadedGenerator; its unload() frees it."""
+    loader = importlib.import_module("worker.engines.exllamav2_load")
+    return loader.load_generator(
+        model_dir,
+        max_batch_size=concurrency,
+        cache_tokens=cache_tokens,
         gpu_sampling=exlq_decode,
         prefill_batch_tokens=prefill_batch_tokens if exlq_decode else 0,
-        model=model,
-        cache=cache,
-        tokenizer=tokenizer,
-        max_batch_size=concurrency,
         max_chunk_size=max_chunk_size,
+        sampling_threads=sampling_threads,
         paged=paged,
-        max_sampling_threads=sampling_threads,
     )
-    return model, cache, generator
-
-
-def exl_release(model: Any, generator: Any) -> None:
-    if generator is not None:
-        for name in ("sampling_pool", "filter_pool"):
-            pool = getattr(generator, name, None)
-            if pool is not None:
-                pool.shutdown(wait=False)
-    if model is not None:
-        model.unload()
 
 
 def _warm_up(generator: Any, prompts: list[list[int]]) -> None:
@@ -443,13 +423,11 @@ def bench_exllamav2_dynamic(
         raise ValueError(f"cache_tokens must be a multiple of {PAGE_SIZE}")
     prompts = random_prompt_ids(model_dir, concurrency, prompt_tokens, seed)
 
-    model: Any = None
-    cache: Any = None
-    generator: Any = None
+    loaded: Any = None
     try:
         _cuda_reset_peak()
         t_load = time.perf_counter()
-        model, cache, generator = exl_load(
+        loaded = exl_load(
             model_dir,
             max_batch_size or concurrency,
             cache_tokens,
@@ -459,6 +437,7 @@ def bench_exllamav2_dynamic(
             exlq_decode,
             prefill_batch_tokens,
         )
+        generator = loaded.generator
         if exlq_decode:
             graphs = importlib.import_module("worker.engines.exllamav2_graphs")
             graphs.install_decode_graphs(generator, concurrency)
@@ -502,8 +481,9 @@ def bench_exllamav2_dynamic(
         )
         return out
     finally:
-        exl_release(model, generator)
-        del generator, cache, model
+        if loaded is not None:
+            loaded.unload()
+        del loaded
         _free_gpu()
 
 

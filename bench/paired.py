@@ -45,7 +45,7 @@ class EngineAlone:
         importlib.import_module("exllamav2.generator")
         exlq_attention_patch()
         self.model_dir = model_dir
-        self.model, self.cache, self.generator = baselines.exl_load(
+        self.loaded = baselines.exl_load(
             model_dir,
             max_batch_size,
             cache_tokens,
@@ -55,6 +55,7 @@ class EngineAlone:
             True,
             prefill_batch_tokens,
         )
+        self.generator = self.loaded.generator
         graphs = importlib.import_module("worker.engines.exllamav2_graphs")
         graphs.install_decode_graphs(self.generator, max_batch_size)
         self.generator.warmup()
@@ -70,7 +71,7 @@ class EngineAlone:
         )
 
     def close(self) -> None:
-        baselines.exl_release(self.model, self.generator)
+        self.loaded.unload()
 
 
 def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:

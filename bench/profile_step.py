@@ -23,27 +23,20 @@ def build(
     model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int, graphs: bool,
     gpu_sampling: bool,
 ) -> Any:  # fmt: skip
-    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-
     from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
+    from worker.engines.exllamav2_load import load_generator
 
     install_attention("exlq")
-    config = ExLlamaV2Config(model_dir)
-    size_model_config(config, jobs, 0)
-    model = ExLlamaV2(config)
-    cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
-    model.load_autosplit(cache, progress=False)
-    generator = make_dynamic_generator(
+    loaded = load_generator(
+        model_dir,
+        max_batch_size=jobs,
+        cache_tokens=cache_tokens,
         gpu_sampling=gpu_sampling,
         prefill_batch_tokens=0,
-        model=model,
-        cache=cache,
-        tokenizer=ExLlamaV2Tokenizer(config),
-        max_batch_size=jobs,
         max_chunk_size=chunk,
-        max_sampling_threads=threads,
+        sampling_threads=threads,
     )
+    generator = loaded.generator
     generator.warmup()
     if graphs:
         from worker.engines.exllamav2_graphs import install_decode_graphs
@@ -51,7 +44,7 @@ def build(
         decode_graphs = install_decode_graphs(generator, jobs)
         assert decode_graphs is not None
         print(f"CUDA graphs for 1..{jobs} jobs captured in {decode_graphs.capture_seconds:.1f} s")
-    return model, generator
+    return loaded, generator
 
 
 def fill(
@@ -80,7 +73,7 @@ def fill(
 def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    model, generator = build(
+    loaded, generator = build(
         model_dir, jobs, args.cache_tokens, args.chunk, args.sampling_threads, args.graphs,
         args.gpu_sampling,
     )  # fmt: skip
@@ -94,7 +87,7 @@ def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, An
         walls.append((time.perf_counter() - started) * 1000)
     if not args.profile:
         generator.clear_queue()
-        model.unload()
+        loaded.unload()
         return {
             "jobs": jobs,
             "graphs": args.graphs,
@@ -121,8 +114,8 @@ def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, An
     table = events.table(sort_by="self_device_time_total", row_limit=15)
     cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=15)
     generator.clear_queue()
-    model.unload()
-    del generator, model
+    loaded.unload()
+    del generator, loaded
     torch.cuda.empty_cache()
     return {
         "jobs": jobs,

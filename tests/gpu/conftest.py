@@ -39,31 +39,23 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
     on exlq's attention over a fresh load of the test model (exlq=True: exlq's subclass with
     GPU sampling; prefill_batch_tokens > 0: exlq's subclass with batched prefill); unloaded
     after the test. The model is `generator.model`."""
-    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
-
     from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
+    from worker.engines.exllamav2_load import LoadedGenerator, load_generator
 
-    models: list[Any] = []
+    loads: list[LoadedGenerator] = []
 
     def make(exlq: bool = False, max_batch: int = 8, prefill_batch_tokens: int = 0) -> Any:
         install_attention("exlq")
-        config = ExLlamaV2Config(str(model_dir))
-        size_model_config(config, max_batch, prefill_batch_tokens)
-        model = ExLlamaV2(config)
-        models.append(model)
-        cache = ExLlamaV2Cache(model, max_seq_len=8192, lazy=True)
-        model.load_autosplit(cache, progress=False)
-        return make_dynamic_generator(
+        loaded = load_generator(
+            model_dir,
+            max_batch_size=max_batch,
+            cache_tokens=8192,
             gpu_sampling=exlq,
             prefill_batch_tokens=prefill_batch_tokens,
-            model=model,
-            cache=cache,
-            tokenizer=ExLlamaV2Tokenizer(config),
-            max_batch_size=max_batch,
-            paged=True,
         )
+        loads.append(loaded)
+        return loaded.generator
 
     yield make
-    for model in models:
-        model.unload()
+    for loaded in loads:
+        loaded.unload()

@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PAGE_TOKENS = 256  # exllamav2's PAGED_PAGE_SIZE
-
 
 def require_cuda() -> None:
     """Refuse early, with a message, where exllamav2 could only fail inside a compiler."""
@@ -83,33 +81,26 @@ class ExLlamaV2Engine(Engine):
 
     def __init__(self, settings: WorkerSettings, attention: str) -> None:
         import torch
-        from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
-        from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
+        from worker.engines.exllamav2_load import load_generator
 
         assert settings.model is not None
         self._torch = torch
         self.attention = attention
         self.capacity = settings.max_batch_size
-        config = ExLlamaV2Config(str(settings.model))
-        size_model_config(config, self.capacity, settings.prefill_batch_tokens)
-        cache_tokens = max(PAGE_TOKENS, settings.cache_tokens // PAGE_TOKENS * PAGE_TOKENS)
-        self.model = ExLlamaV2(config)
-        self.cache = ExLlamaV2Cache(self.model, max_seq_len=cache_tokens, lazy=True)
-        self.model.load_autosplit(self.cache, progress=False)
-        self.tokenizer = ExLlamaV2Tokenizer(config)
-        chunk = min(settings.max_chunk_size, config.max_input_len)
-        self.generator = make_dynamic_generator(
+        self.loaded = load_generator(
+            settings.model,
+            max_batch_size=self.capacity,
+            cache_tokens=settings.cache_tokens,
             gpu_sampling=settings.gpu_sampling,
             prefill_batch_tokens=settings.prefill_batch_tokens,
-            model=self.model,
-            cache=self.cache,
-            tokenizer=self.tokenizer,
-            max_batch_size=self.capacity,
-            max_chunk_size=max(PAGE_TOKENS, chunk // PAGE_TOKENS * PAGE_TOKENS),
-            paged=True,
-            max_sampling_threads=settings.sampling_threads,
+            max_chunk_size=settings.max_chunk_size,
+            sampling_threads=settings.sampling_threads,
         )
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.generator = self.loaded.generator
+        cache_tokens = self.loaded.cache_tokens
         self.generator.warmup()
         if hasattr(self.generator, "warm_up_prefill"):
             seconds = self.generator.warm_up_prefill()
@@ -296,4 +287,4 @@ class ExLlamaV2Engine(Engine):
         self.generator.clear_queue()
         if self.graphs is not None:
             self.graphs.uninstall()
-        self.model.unload()
+        self.loaded.unload()

@@ -1,0 +1,77 @@
+"""load_generator: the one way exlq loads a model for exllamav2's dynamic generator.
+
+config -> model scratch sized for the batch -> model -> paged cache -> load_autosplit ->
+tokenizer -> generator (exlq's subclass where its levers are asked for). The worker's
+engine, the benchmarks and the GPU tests all load through here, so what they measure and
+test is what the worker runs. Attention is installed by the caller, before this runs
+(exllamav2_attention.install_attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
+
+PAGE_TOKENS = 256  # exllamav2's PAGED_PAGE_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedGenerator:
+    model: Any  # ExLlamaV2
+    cache: Any  # ExLlamaV2Cache
+    tokenizer: Any  # ExLlamaV2Tokenizer
+    generator: Any  # ExLlamaV2DynamicGenerator or ExlqDynamicGenerator
+    cache_tokens: int  # what the cache holds, in whole pages
+
+    def unload(self) -> None:
+        """Stop the generator's thread pools and free the model's GPU memory."""
+        for name in ("sampling_pool", "filter_pool"):
+            pool = getattr(self.generator, name, None)
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self.model.unload()
+
+
+def load_generator(
+    model_dir: str | Path,
+    *,
+    max_batch_size: int,
+    cache_tokens: int,
+    gpu_sampling: bool,
+    prefill_batch_tokens: int,
+    max_chunk_size: int | None = None,
+    sampling_threads: int = 16,
+    paged: bool = True,
+) -> LoadedGenerator:
+    """Load the model in ``model_dir`` with a cache of ``cache_tokens`` (rounded down to whole
+    pages, at least one) and a generator for ``max_batch_size`` jobs. ``max_chunk_size``
+    (None: exllamav2's default) is held to what the model's scratch allows, in whole pages.
+    """
+    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+
+    config = ExLlamaV2Config(str(model_dir))
+    size_model_config(config, max_batch_size, prefill_batch_tokens)
+    cache_tokens = max(PAGE_TOKENS, cache_tokens // PAGE_TOKENS * PAGE_TOKENS)
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
+    model.load_autosplit(cache, progress=False)
+    tokenizer = ExLlamaV2Tokenizer(config)
+    options: dict[str, Any] = {}
+    if max_chunk_size is not None:
+        chunk = min(max_chunk_size, config.max_input_len)
+        options["max_chunk_size"] = max(PAGE_TOKENS, chunk // PAGE_TOKENS * PAGE_TOKENS)
+    generator = make_dynamic_generator(
+        gpu_sampling=gpu_sampling,
+        prefill_batch_tokens=prefill_batch_tokens,
+        model=model,
+        cache=cache,
+        tokenizer=tokenizer,
+        max_batch_size=max_batch_size,
+        paged=paged,
+        max_sampling_threads=sampling_threads,
+        **options,
+    )
+    return LoadedGenerator(model, cache, tokenizer, generator, cache_tokens)
