@@ -295,7 +295,7 @@ class AsyncProducer:
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
         self._router = EventRouter(client)
-        self._submits = SubmitBatcher(client, self._router)
+        self._submits = SubmitBatcher(client, self._router, self.keys, state_ttl_s, max_backlog)
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
 
     async def __aenter__(self) -> AsyncProducer:
@@ -321,9 +321,7 @@ class AsyncProducer:
         elif prompt is not None or fields:
             raise TypeError("pass either request= or prompt and fields, not both")
         submitted = await self._submits.submit(
-            self.keys.events(request.id),
-            keys=[self.keys.job(request.id), self.keys.jobs],
-            args=[request.model_dump_json(exclude_none=True), self.state_ttl_s, self.max_backlog],
+            request.id, request.model_dump_json(exclude_none=True)
         )
         if submitted.outcome == "full":
             raise QueueFull(

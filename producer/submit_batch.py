@@ -3,10 +3,13 @@
 A service that takes many requests at once calls ``submit()`` from many tasks at once.
 Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst of 64 reaches
 the queue over tens of milliseconds, so a worker starts the first job alone. Batched, the
-burst costs one SUBSCRIBE for all its channels, then one pipeline of submit scripts, and
-lands in the stream together. A lone submit goes out on the next pass of the loop, as it
-did before: nothing waits for a batch to fill. A Redis that lost the script (a restart,
-SCRIPT FLUSH) gets it again (producer.scripts).
+burst costs one SUBSCRIBE for all its channels, then one script that enqueues every job of
+the batch: the entries land in the stream together, so a worker's read takes them in one
+piece and its engine prefills them in one pass. Each job still gets its own outcome; one
+that fails inside the script (say a key of the wrong type at its id) fails alone. A lone
+submit goes out on the next pass of the loop, as it did before: nothing waits for a batch
+to fill. A Redis that lost the script (a restart, SCRIPT FLUSH) gets it again
+(producer.scripts).
 """
 
 from __future__ import annotations
@@ -16,27 +19,49 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
+from producer.keys import QueueKeys
 from producer.scripts import run_many
 from producer.subscriber import EventRouter
 
-# More than this many submits in one pass go out as several pipelines.
+# More than this many submits in one pass go out as several scripts. Redis runs nothing
+# else while a script runs: 256 jobs of 256-token prompts take about 2 ms of it.
 MAX_BATCH = 256
 
-# Atomic: dedupe on the job id, refuse when the backlog is full, enqueue, record state.
-SUBMIT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {'duplicate', redis.call('HGET', KEYS[1], 'state') or ''}
+# Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
+# state. KEYS[1] is the stream, KEYS[1 + i] job i's state hash; ARGV[1] the state TTL,
+# ARGV[2] the backlog limit (0: none), ARGV[2 + i] job i's request JSON. Returns
+# outcome, detail for each job in turn. A job whose commands fail reports 'error' and the
+# message; the jobs before and after it are enqueued as usual.
+SUBMIT_MANY_LUA = """
+local stream = KEYS[1]
+local ttl = ARGV[1]
+local max_backlog = tonumber(ARGV[2])
+local function submit(job, request)
+  if redis.call('EXISTS', job) == 1 then
+    return {'duplicate', redis.call('HGET', job, 'state') or ''}
+  end
+  if max_backlog > 0 then
+    local backlog = redis.call('XLEN', stream)
+    if backlog >= max_backlog then return {'full', tostring(backlog)} end
+  end
+  local entry = redis.call('XADD', stream, '*', 'job', request)
+  redis.call('HSET', job, 'state', 'queued', 'entry', entry, 'attempts', 0)
+  redis.call('EXPIRE', job, ttl)
+  return {'queued', entry}
 end
-local max_backlog = tonumber(ARGV[3])
-if max_backlog > 0 then
-  local backlog = redis.call('XLEN', KEYS[2])
-  if backlog >= max_backlog then return {'full', tostring(backlog)} end
+local out = {}
+for i = 2, #KEYS do
+  local ok, reply = pcall(submit, KEYS[i], ARGV[i + 1])
+  if not ok then
+    local message = type(reply) == 'table' and reply.err or tostring(reply)
+    reply = {'error', message}
+  end
+  out[#out + 1] = reply[1]
+  out[#out + 1] = reply[2]
 end
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
-redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'attempts', 0)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return {'queued', entry}
+return out
 """
 
 
@@ -51,9 +76,8 @@ class Submitted:
 
 @dataclass(slots=True)
 class _Pending:
-    channel: str
-    keys: list[str]
-    args: list[str | int]
+    job_id: str
+    request_json: str
     done: asyncio.Future[Submitted] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -62,19 +86,29 @@ class _Pending:
 class SubmitBatcher:
     """Subscribes, then enqueues, every submit of one loop pass in two round trips."""
 
-    def __init__(self, client: aioredis.Redis, router: EventRouter) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        router: EventRouter,
+        keys: QueueKeys,
+        state_ttl_s: int,
+        max_backlog: int,
+    ) -> None:
         self._redis = client
         self._router = router
-        self._script = client.register_script(SUBMIT_LUA)
+        self._keys = keys
+        self._state_ttl_s = state_ttl_s
+        self._max_backlog = max_backlog
+        self._script = client.register_script(SUBMIT_MANY_LUA)
         self._waiting: list[_Pending] = []
         self._flushes: set[asyncio.Task[None]] = set()
 
-    async def submit(self, channel: str, keys: list[str], args: list[str | int]) -> Submitted:
-        """Subscribe to ``channel``, then run the submit script on ``keys`` and ``args``.
+    async def submit(self, job_id: str, request_json: str) -> Submitted:
+        """Subscribe to the job's channel, then enqueue ``request_json`` under ``job_id``.
 
         If the caller is cancelled while its batch is out, the job may still be enqueued
         (as with any command already sent); its channel is then unsubscribed."""
-        pending = _Pending(channel, keys, args)
+        pending = _Pending(job_id, request_json)
         if not self._waiting:
             # Runs after every task that is ready now has run up to its own await.
             task = asyncio.create_task(self._flush(), name="exlq-submit-batch")
@@ -96,24 +130,31 @@ class SubmitBatcher:
     async def _send(self, batch: list[_Pending]) -> None:
         subscriptions: list[tuple[str, asyncio.Queue[bytes]]] = []
         try:
-            queues = await self._router.subscribe_many([p.channel for p in batch])
-            subscriptions = [(p.channel, q) for p, q in zip(batch, queues, strict=True)]
-            replies = await run_many(self._redis, self._script, [(p.keys, p.args) for p in batch])
+            channels = [self._keys.events(p.job_id) for p in batch]
+            queues = await self._router.subscribe_many(channels)
+            subscriptions = list(zip(channels, queues, strict=True))
+            keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]
+            args: list[str | int] = [self._state_ttl_s, self._max_backlog]
+            args += [p.request_json for p in batch]
+            [reply] = await run_many(self._redis, self._script, [(keys, args)])
+            if isinstance(reply, Exception):
+                raise reply
         except BaseException as exc:
             await self._router.unsubscribe_many(subscriptions)
             _fail(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
+        parts = [_text(part) for part in cast("list[object]", reply)]
         unwanted: list[tuple[str, asyncio.Queue[bytes]]] = []
-        for pending, subscription, reply in zip(batch, subscriptions, replies, strict=True):
+        for i, (pending, subscription) in enumerate(zip(batch, subscriptions, strict=True)):
+            outcome, detail = parts[2 * i], parts[2 * i + 1]
             if pending.done.done():  # the caller was cancelled meanwhile
                 unwanted.append(subscription)
-            elif isinstance(reply, Exception):
+            elif outcome == "error":
                 unwanted.append(subscription)
-                pending.done.set_exception(reply)
+                pending.done.set_exception(ResponseError(detail))
             else:
-                outcome, detail = (_text(part) for part in cast("list[object]", reply))
                 if outcome == "full":
                     unwanted.append(subscription)
                 pending.done.set_result(Submitted(outcome, detail, subscription[1]))

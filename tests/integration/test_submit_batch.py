@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
-from producer import AsyncProducer, QueueFull
+from producer import AsyncProducer, JobHandle, QueueFull
 from producer.keys import QueueKeys
 from producer.submit_batch import MAX_BATCH
 
@@ -20,7 +22,7 @@ async def _calls(client: aioredis.Redis, command: str) -> int:
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-async def test_a_burst_of_submits_is_one_subscribe_and_one_pipeline_and_every_job_runs(
+async def test_a_burst_of_submits_is_one_subscribe_and_one_script_and_every_job_runs(
     redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
 ) -> None:
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
@@ -31,8 +33,12 @@ async def test_a_burst_of_submits_is_one_subscribe_and_one_pipeline_and_every_jo
             *(producer.submit(p, max_new_tokens=4, id=f"burst-{i}") for i, p in enumerate(prompts))
         )
         assert await _calls(redis_client, "subscribe") == 1
-        assert await _calls(redis_client, "evalsha") == 40
+        assert await _calls(redis_client, "evalsha") == 1
         assert [h.id for h in handles] == [f"burst-{i}" for i in range(40)]
+        # One script enqueued them: the stream holds them in submit order, together.
+        entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
+        ids = [json.loads(fields[b"job"])["id"] for _, fields in entries]
+        assert ids[-40:] == [f"burst-{i}" for i in range(40)]
         await start_worker(max_batch_size=64)  # only now: its own scripts are EVALSHA too
         results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
     for prompt, result in zip(prompts, results, strict=True):
@@ -55,6 +61,28 @@ async def test_a_full_queue_refuses_only_the_submits_past_its_limit(
         # Only the three queued jobs keep a subscription.
         assert producer._router.channel_count == 3
     assert await redis_client.xlen(QueueKeys(queue_name).jobs) == 3
+
+
+async def test_a_job_that_fails_in_the_script_fails_alone(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
+) -> None:
+    keys = QueueKeys(queue_name)
+    await redis_client.set(keys.job("squatted"), "not a job hash")  # HGET on it: WRONGTYPE
+    await start_worker()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        before, bad, after = await asyncio.gather(
+            producer.submit("before it", max_new_tokens=2, id="before"),
+            producer.submit("the bad one", max_new_tokens=2, id="squatted"),
+            producer.submit("after it", max_new_tokens=2, id="after"),
+            return_exceptions=True,
+        )
+        assert isinstance(bad, ResponseError)
+        assert "WRONGTYPE" in str(bad)
+        assert isinstance(before, JobHandle) and isinstance(after, JobHandle)
+        done = await asyncio.wait_for(asyncio.gather(before.result(), after.result()), 10)
+        assert [r.text.split() for r in done] == [["before", "it"], ["after", "it"]]
+        assert producer._router.channel_count == 0  # the bad job's channel was left too
+    assert await redis_client.get(keys.job("squatted")) == b"not a job hash"
 
 
 async def test_the_same_id_twice_in_one_burst_is_one_job_with_two_live_handles(
