@@ -68,20 +68,35 @@ end
 return lost
 """
 
-# Runs when a worker takes an entry: skip jobs that ended or were cancelled, count the
-# attempt and record who runs it, atomically so two entries of one id never both run.
-_START_LUA = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'expired' then
-  return {'ended', state}
+# Runs when a worker takes entries: for each, skip jobs that ended or were cancelled,
+# count the attempt and record who runs it, atomically so two entries of one id never both
+# run. KEYS[i] is job i's state hash, ARGV[2 + i] its entry; ARGV[1] the consumer, ARGV[2]
+# the state TTL. Returns verdict, detail for each job in turn; a job whose commands fail
+# reports 'error' and the message, and the others are decided as usual.
+_START_MANY_LUA = """
+local function start(job, entry_id)
+  local state = redis.call('HGET', job, 'state')
+  if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'expired' then
+    return {'ended', state}
+  end
+  local entry = redis.call('HGET', job, 'entry')
+  if entry and entry ~= entry_id then return {'duplicate', entry} end
+  if redis.call('HGET', job, 'cancel') == '1' then return {'cancel', '0'} end
+  local attempts = redis.call('HINCRBY', job, 'attempts', 1)
+  redis.call('HSET', job, 'state', 'running', 'worker', ARGV[1], 'entry', entry_id)
+  redis.call('EXPIRE', job, ARGV[2])
+  return {'run', tostring(attempts)}
 end
-local entry = redis.call('HGET', KEYS[1], 'entry')
-if entry and entry ~= ARGV[3] then return {'duplicate', entry} end
-if redis.call('HGET', KEYS[1], 'cancel') == '1' then return {'cancel', '0'} end
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[1], 'entry', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return {'run', tostring(attempts)}
+local out = {}
+for i = 1, #KEYS do
+  local ok, reply = pcall(start, KEYS[i], ARGV[i + 2])
+  if not ok then
+    reply = {'error', type(reply) == 'table' and reply.err or tostring(reply)}
+  end
+  out[#out + 1] = reply[1]
+  out[#out + 1] = reply[2]
+end
+return out
 """
 
 
@@ -190,7 +205,7 @@ class Broker:
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
         self.dead_max_len = dead_max_len
-        self._start = client.register_script(_START_LUA)
+        self._start = client.register_script(_START_MANY_LUA)
         self._commit = client.register_script(_COMMIT_LUA)
         self._renew = client.register_script(_RENEW_LUA)
 
@@ -238,20 +253,18 @@ class Broker:
         """For each (job_id, entry_id), decide whether to run it and count the attempt."""
         if not starts:
             return []
-        replies = await run_many(
-            self.client,
-            self._start,
-            [
-                ([self.keys.job(job_id)], [self.consumer, self.result_ttl_s, entry_id])
-                for job_id, entry_id in starts
-            ],
-        )
+        keys = [self.keys.job(job_id) for job_id, _ in starts]
+        args: list[str | int] = [self.consumer, self.result_ttl_s]
+        args += [entry_id for _, entry_id in starts]
+        [reply] = await run_many(self.client, self._start, [(keys, args)])
+        if isinstance(reply, Exception):
+            raise reply
+        parts = [part.decode() for part in cast("list[bytes]", reply)]
         decisions = []
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-            verdict, detail = cast("list[bytes]", reply)
-            decisions.append(StartDecision(verdict.decode(), detail.decode()))
+        for verdict, detail in zip(parts[::2], parts[1::2], strict=True):
+            if verdict == "error":  # as a failed call did: the read is retried
+                raise ResponseError(f"starting a job failed: {detail}")
+            decisions.append(StartDecision(verdict, detail))
         return decisions
 
     async def commit(self, batch: Batch) -> list[str]:
