@@ -8,8 +8,7 @@ the batch: the entries land in the stream together, so a worker's read takes the
 piece and its engine prefills them in one pass. Each job still gets its own outcome; one
 that fails inside the script (say a key of the wrong type at its id) fails alone. A lone
 submit goes out on the next pass of the loop, as it did before: nothing waits for a batch
-to fill. A Redis that lost the script (a restart, SCRIPT FLUSH) gets it again
-(producer.scripts).
+to fill. A Redis that lost the script (a restart, SCRIPT FLUSH) gets it again.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from producer.keys import QueueKeys
-from producer.scripts import run_many
 from producer.subscriber import EventRouter
 
 # More than this many submits in one pass go out as several scripts. Redis runs nothing
@@ -136,9 +134,8 @@ class SubmitBatcher:
             keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]
             args: list[str | int] = [self._state_ttl_s, self._max_backlog]
             args += [p.request_json for p in batch]
-            [reply] = await run_many(self._redis, self._script, [(keys, args)])
-            if isinstance(reply, Exception):
-                raise reply
+            # redis-py sends EVALSHA, and loads the script again where Redis lost it.
+            reply = await self._script(keys=keys, args=args)
         except BaseException as exc:
             await self._router.unsubscribe_many(subscriptions)
             _fail(batch, exc)

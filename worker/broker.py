@@ -12,7 +12,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from producer.keys import CONSUMER_GROUP, QueueKeys
-from producer.scripts import run_many
 
 # One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
 # each final that names a job (its "k" is the index of its result key: every key a script
@@ -256,9 +255,7 @@ class Broker:
         keys = [self.keys.job(job_id) for job_id, _ in starts]
         args: list[str | int] = [self.consumer, self.result_ttl_s]
         args += [entry_id for _, entry_id in starts]
-        [reply] = await run_many(self.client, self._start, [(keys, args)])
-        if isinstance(reply, Exception):
-            raise reply
+        reply = await self._start(keys=keys, args=args)
         parts = [part.decode() for part in cast("list[bytes]", reply)]
         decisions = []
         for verdict, detail in zip(parts[::2], parts[1::2], strict=True):
