@@ -138,6 +138,12 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for p in whole
         ]
         added = [p["exlq"]["ttft_ms_p50"] - p["exlq-engine"]["ttft_ms_p50"] for p in whole]
+        # The engine step's own cost in the worker, apart from the path's fixed latency.
+        step_ratios = [
+            p["exlq"]["step_ms_mean"] / p["exlq-engine"]["step_ms_mean"]
+            for p in whole
+            if p["exlq"].get("step_ms_mean") and p["exlq-engine"].get("step_ms_mean")
+        ]
         out.append(
             {
                 "concurrency": n,
@@ -156,6 +162,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ),
                 "added_ttft_ms_median": statistics.median(added),
                 "added_ttft_ms": added,
+                "step_ratio_median": statistics.median(step_ratios) if step_ratios else None,
                 # Inside the engine's TTFT since its clock starts before it builds its jobs
                 # (baselines.run_dynamic); older results started it after.
                 "engine_build_ms_median": statistics.median(
@@ -176,8 +183,8 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         "| N | pairs | engine alone tok/s | exlq tok/s | exlq / engine, paired median "
         "(range) | pairs >= 0.97 | engine TTFT p50 ms | of which building its jobs, ms | "
-        "added TTFT p50 ms, median |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "added TTFT p50 ms, median | exlq / engine step time, paired median |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
@@ -185,7 +192,8 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{s['exlq_tok_s']:,.0f} | {s['ratio_median']:.3f} ({s['ratio_min']:.2f}-"
             f"{s['ratio_max']:.2f}) | {s['pairs_at_or_above_0_97']} of {s['pairs']} | "
             f"{s['engine_ttft_ms_p50']:.1f} | {s['engine_build_ms_median']:.1f} | "
-            f"{s['added_ttft_ms_median']:.1f} |"
+            f"{s['added_ttft_ms_median']:.1f} | "
+            + (f"{s['step_ratio_median']:.3f} |" if s["step_ratio_median"] else "- |")
         )
     return "\n".join(lines)
 
