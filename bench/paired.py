@@ -9,6 +9,7 @@ each repeat of a point runs both on the same new prompts, back to back, in alter
 order, and each pair gives one ratio.
 
     python -m bench.paired --shape 1b --concurrency 1,8,32,64,128 --repeats 6
+    python -m bench.paired --pool call-1.json call-2.json   # the pairs of several calls
 """
 
 from __future__ import annotations
@@ -198,8 +199,45 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def pool(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The runs of several result files of one shape and code, as one set of pairs (each
+    file's repeats kept apart), and the first file's meta with every file's command."""
+    runs: list[dict[str, Any]] = []
+    metas = []
+    for index, path in enumerate(paths):
+        data = json.loads(path.read_text())
+        metas.append(data["meta"])
+        for run in data["runs"]:
+            runs.append(run | {"repeat": index * 1000 + run["repeat"]})
+    if len({m["shape"] for m in metas}) != 1:
+        raise SystemExit("--pool: the files hold different shapes; pool one shape at a time")
+    meta = dict(metas[0])
+    meta["command"] = "; ".join(m["command"] for m in metas) + (
+        f" (pooled: python -m bench.paired --pool {' '.join(p.name for p in paths)})"
+    )
+    return runs, meta
+
+
+def write(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path, stem: str) -> None:
+    summary = summarize(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2)
+    )
+    table = markdown(summary, meta)
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: summarize the pairs of these result files together",
+    )
     ap.add_argument("--shape", default="1b", help="a random-weight shape: 1b or 8b")
     ap.add_argument("--concurrency", default="1,8,32,64,128")
     ap.add_argument("--repeats", type=int, default=6, help="pairs at each concurrency")
@@ -217,6 +255,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    if args.pool:
+        runs, meta = pool(args.pool)
+        write(runs, meta, Path(args.out), f"{meta['date']}-paired-{meta['shape']}-pooled{args.tag}")
+        return
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     place = placement(args.worker_cpus)
     meta = {
@@ -232,17 +274,9 @@ def main() -> None:
     }
     started = time.monotonic()
     runs = measure(args, place)
-    summary = summarize(runs)
     meta["seconds"] = round(time.monotonic() - started)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}-paired-{args.shape}{args.tag}"
-    (out / f"{stem}.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2)
-    )
-    table = markdown(summary, meta)
-    (out / f"{stem}.md").write_text(table + "\n")
-    print(table)
+    write(runs, meta, Path(args.out), stem)
 
 
 if __name__ == "__main__":

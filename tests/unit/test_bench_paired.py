@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.paired import markdown, summarize
+from bench.paired import markdown, pool, summarize
 
 
 def _run(
@@ -64,3 +66,27 @@ def test_ratios_are_taken_within_pairs_not_between_medians() -> None:
     }
     table = markdown([eight], meta)
     assert "| 8 | 3 | 800 | 800 | 0.990 (0.96-1.00) | 2 of 3 | 21.0 | 2.0 | 3.0 | 1.050 |" in table
+
+
+def test_pooled_calls_keep_their_pairs_apart(tmp_path: Path) -> None:
+    meta = {"shape": "1b", "command": "python -m bench.paired --shape 1b", "date": "2026-11-23"}
+    # Two calls on different machines, both numbering their repeats from 0.
+    first = [_run("exlq-engine", 8, 0, 1000.0, 20.0), _run("exlq", 8, 0, 950.0, 24.0)]
+    second = [_run("exlq", 8, 0, 510.0, 30.0), _run("exlq-engine", 8, 0, 500.0, 28.0)]
+    paths = []
+    for name, runs in (("call-1.json", first), ("call-2.json", second)):
+        (tmp_path / name).write_text(json.dumps({"meta": meta, "runs": runs}))
+        paths.append(tmp_path / name)
+    runs, pooled_meta = pool(paths)
+    [eight] = summarize(runs)
+    assert eight["pairs"] == 2
+    assert sorted(eight["ratios"]) == pytest.approx([0.95, 1.02])  # never 950 / 500
+    assert "--pool call-1.json call-2.json" in pooled_meta["command"]
+
+
+def test_pooling_files_of_two_shapes_is_refused(tmp_path: Path) -> None:
+    for shape in ("1b", "8b"):
+        meta = {"shape": shape, "command": "c", "date": "d"}
+        (tmp_path / f"{shape}.json").write_text(json.dumps({"meta": meta, "runs": []}))
+    with pytest.raises(SystemExit, match="different shapes"):
+        pool([tmp_path / "1b.json", tmp_path / "8b.json"])
