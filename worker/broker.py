@@ -112,8 +112,8 @@ class StreamEntry:
 
 @dataclass(frozen=True, slots=True)
 class StartDecision:
-    verdict: str  # run | cancel | ended | duplicate
-    detail: str
+    verdict: str  # run | cancel | ended | duplicate | error
+    detail: str  # the attempt, the ended state, the other entry, or Redis's error
 
     @property
     def attempt(self) -> int:
@@ -257,12 +257,10 @@ class Broker:
         args += [entry_id for _, entry_id in starts]
         reply = await self._start(keys=keys, args=args)
         parts = [part.decode() for part in cast("list[bytes]", reply)]
-        decisions = []
-        for verdict, detail in zip(parts[::2], parts[1::2], strict=True):
-            if verdict == "error":  # as a failed call did: the read is retried
-                raise ResponseError(f"starting a job failed: {detail}")
-            decisions.append(StartDecision(verdict, detail))
-        return decisions
+        return [
+            StartDecision(verdict, detail)
+            for verdict, detail in zip(parts[::2], parts[1::2], strict=True)
+        ]
 
     async def commit(self, batch: Batch) -> list[str]:
         """Write a batch atomically; returns the entries whose finals were not written

@@ -208,6 +208,9 @@ class Worker:
 
     def _start(self, batch: Batch, job: RunningJob, decision: StartDecision, now: float) -> bool:
         """Settle the job here, or hold it for the engine: True when the engine is to run it."""
+        if decision.verdict == "error":
+            self._unstartable(batch, job, decision.detail)
+            return False
         if decision.verdict in ("ended", "duplicate"):
             log.info(
                 "skipping entry %s of job %s: %s %s",
@@ -236,6 +239,24 @@ class Worker:
         self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
         self.held[job.job_id] = job
         return True
+
+    def _unstartable(self, batch: Batch, job: RunningJob, redis_error: str) -> None:
+        """The start script failed on this job's state key (say it holds another type): an
+        error event and a dead-letter entry, then the ack. The key itself is left alone, so
+        nothing else the worker writes fails on it."""
+        key = self.broker.keys.job(job.job_id)
+        message = (
+            f"cannot start the job: its state key {key} is unusable ({redis_error}); "
+            "delete that key, or submit the job under another id"
+        )
+        log.warning("entry %s of job %s: %s", job.entry_id, job.job_id, message)
+        error = ErrorInfo(code="internal_error", message=message)
+        event = ErrorEvent(id=job.job_id, seq=0, attempt=1, error=error)
+        dead = self._dead_fields(job.entry_id, job.request.model_dump_json().encode(), error, 1)
+        batch.finish(
+            Final(job.entry_id, channel=job.channel, event_json=event.model_dump_json(), dead=dead)
+        )
+        self.metrics.job_failed("internal_error")
 
     def _reject(self, batch: Batch, entry: StreamEntry, message: str) -> None:
         """An entry that can never run: error event and failed result where it has a usable

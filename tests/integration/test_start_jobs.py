@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from typing import Any
+
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
+from producer import AsyncProducer
 from producer.keys import QueueKeys
 from worker.broker import Broker
 
@@ -50,14 +54,55 @@ async def test_each_job_of_a_read_gets_its_own_verdict_from_one_script(
     assert (await redis_client.hgetall(keys.job("twin")))[b"state"] == b"queued"
 
 
-async def test_a_job_key_of_the_wrong_type_fails_the_start_with_the_reason(
+async def test_a_job_key_of_the_wrong_type_fails_that_job_alone(
     redis_url: str, queue_name: str, redis_client: aioredis.Redis
 ) -> None:
     keys = QueueKeys(queue_name)
     await redis_client.set(keys.job("squatted"), "not a job hash")
+    await redis_client.hset(keys.job("fine"), mapping={"state": "queued", "entry": "2-0"})
     broker = Broker.from_url(redis_url, keys, "worker-a", result_ttl_s=600, dead_max_len=100)
     try:
-        with pytest.raises(ResponseError, match=r"starting a job failed: .*WRONGTYPE"):
-            await broker.start_jobs([("squatted", "1-0")])
+        squatted, fine = await broker.start_jobs([("squatted", "1-0"), ("fine", "2-0")])
     finally:
         await broker.close()
+    assert squatted.verdict == "error"
+    assert "WRONGTYPE" in squatted.detail
+    assert (fine.verdict, fine.detail) == ("run", "1")
+
+
+async def test_a_worker_dead_letters_a_job_it_cannot_start_and_runs_the_rest(
+    redis_url: str, queue_name: str, redis_client: aioredis.Redis, start_worker: Any
+) -> None:
+    keys = QueueKeys(queue_name)
+    await redis_client.set(keys.job("squatted"), "not a job hash")
+    events = redis_client.pubsub()
+    await events.subscribe(keys.events("squatted"))
+    await events.get_message(timeout=1)  # the confirmation
+    for job_id in ("squatted", "fine"):  # as a producer without the SDK would enqueue them
+        request = {"id": job_id, "prompt": f"{job_id} job", "max_new_tokens": 2}
+        await redis_client.xadd(keys.jobs, {"job": json.dumps(request)})
+    await start_worker()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        done = None
+        for _ in range(100):
+            done = await producer.get_result("fine")
+            if done is not None:
+                break
+            await asyncio.sleep(0.1)
+    assert done is not None and done.state == "done"
+    message = None
+    for _ in range(50):
+        message = await events.get_message(timeout=0.2)
+        if message is not None and message["type"] == "message":
+            break
+    assert message is not None and message["type"] == "message"
+    event = json.loads(message["data"])
+    assert event["type"] == "error"
+    assert event["error"]["code"] == "internal_error"
+    assert keys.job("squatted") in event["error"]["message"]
+    await events.aclose()
+    [(_, dead)] = await redis_client.xrange(keys.dead)
+    assert json.loads(dead[b"job"])["id"] == "squatted"
+    assert dead[b"error"] == b"internal_error"
+    assert (await redis_client.xpending(keys.jobs, "workers"))["pending"] == 0
+    assert await redis_client.get(keys.job("squatted")) == b"not a job hash"
