@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from producer.batch_script import per_job_script, reply_pairs
 from producer.keys import QueueKeys
 from producer.subscriber import EventRouter
 
@@ -30,10 +30,9 @@ MAX_BATCH = 256
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
 # state. KEYS[1] is the stream, KEYS[1 + i] job i's state hash; ARGV[1] the state TTL,
-# ARGV[2] the backlog limit (0: none), ARGV[2 + i] job i's request JSON. Returns
-# outcome, detail for each job in turn. A job whose commands fail reports 'error' and the
-# message; the jobs before and after it are enqueued as usual.
-SUBMIT_MANY_LUA = """
+# ARGV[2] the backlog limit (0: none), ARGV[2 + i] job i's request JSON.
+SUBMIT_MANY_LUA = per_job_script(
+    """
 local stream = KEYS[1]
 local ttl = ARGV[1]
 local max_backlog = tonumber(ARGV[2])
@@ -49,19 +48,11 @@ local function submit(job, request)
   redis.call('HSET', job, 'state', 'queued', 'entry', entry, 'attempts', 0)
   redis.call('EXPIRE', job, ttl)
   return {'queued', entry}
-end
-local out = {}
-for i = 2, #KEYS do
-  local ok, reply = pcall(submit, KEYS[i], ARGV[i + 1])
-  if not ok then
-    local message = type(reply) == 'table' and reply.err or tostring(reply)
-    reply = {'error', message}
-  end
-  out[#out + 1] = reply[1]
-  out[#out + 1] = reply[2]
-end
-return out
-"""
+end""",
+    "submit",
+    first_key=2,
+    arg_offset=1,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +134,10 @@ class SubmitBatcher:
             if not isinstance(exc, Exception):
                 raise
             return
-        parts = [_text(part) for part in cast("list[object]", reply)]
         unwanted: list[tuple[str, asyncio.Queue[bytes]]] = []
-        for i, (pending, subscription) in enumerate(zip(batch, subscriptions, strict=True)):
-            outcome, detail = parts[2 * i], parts[2 * i + 1]
+        for pending, subscription, (outcome, detail) in zip(
+            batch, subscriptions, reply_pairs(reply), strict=True
+        ):
             if pending.done.done():  # the caller was cancelled meanwhile
                 unwanted.append(subscription)
             elif outcome == "error":
@@ -158,10 +149,6 @@ class SubmitBatcher:
                 pending.done.set_result(Submitted(outcome, detail, subscription[1]))
         if unwanted:
             await self._router.unsubscribe_many(unwanted)
-
-
-def _text(part: object) -> str:
-    return part.decode() if isinstance(part, bytes) else str(part)
 
 
 def _fail(batch: list[_Pending], exc: BaseException) -> None:

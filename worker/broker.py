@@ -11,6 +11,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from producer.batch_script import per_job_script, reply_pairs
 from producer.keys import CONSUMER_GROUP, QueueKeys
 
 # One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
@@ -70,9 +71,9 @@ return lost
 # Runs when a worker takes entries: for each, skip jobs that ended or were cancelled,
 # count the attempt and record who runs it, atomically so two entries of one id never both
 # run. KEYS[i] is job i's state hash, ARGV[2 + i] its entry; ARGV[1] the consumer, ARGV[2]
-# the state TTL. Returns verdict, detail for each job in turn; a job whose commands fail
-# reports 'error' and the message, and the others are decided as usual.
-_START_MANY_LUA = """
+# the state TTL.
+_START_MANY_LUA = per_job_script(
+    """
 local function start(job, entry_id)
   local state = redis.call('HGET', job, 'state')
   if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'expired' then
@@ -85,18 +86,11 @@ local function start(job, entry_id)
   redis.call('HSET', job, 'state', 'running', 'worker', ARGV[1], 'entry', entry_id)
   redis.call('EXPIRE', job, ARGV[2])
   return {'run', tostring(attempts)}
-end
-local out = {}
-for i = 1, #KEYS do
-  local ok, reply = pcall(start, KEYS[i], ARGV[i + 2])
-  if not ok then
-    reply = {'error', type(reply) == 'table' and reply.err or tostring(reply)}
-  end
-  out[#out + 1] = reply[1]
-  out[#out + 1] = reply[2]
-end
-return out
-"""
+end""",
+    "start",
+    first_key=1,
+    arg_offset=2,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,11 +250,7 @@ class Broker:
         args: list[str | int] = [self.consumer, self.result_ttl_s]
         args += [entry_id for _, entry_id in starts]
         reply = await self._start(keys=keys, args=args)
-        parts = [part.decode() for part in cast("list[bytes]", reply)]
-        return [
-            StartDecision(verdict, detail)
-            for verdict, detail in zip(parts[::2], parts[1::2], strict=True)
-        ]
+        return [StartDecision(verdict, detail) for verdict, detail in reply_pairs(reply)]
 
     async def commit(self, batch: Batch) -> list[str]:
         """Write a batch atomically; returns the entries whose finals were not written
