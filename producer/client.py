@@ -107,7 +107,11 @@ class JobHandle:
 
     async def _next_events(self) -> list[Event]:
         try:
-            raw = await asyncio.wait_for(self._events.get(), RESULT_POLL_S)
+            if self._events.empty():
+                async with asyncio.timeout(RESULT_POLL_S):
+                    raw = await self._events.get()
+            else:
+                raw = self._events.get_nowait()
         except TimeoutError:
             return await self._recover_from_result()
         if raw == RECONNECTED:

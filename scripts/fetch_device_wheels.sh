@@ -24,6 +24,7 @@ WHEELS=(
     "exllamav2==0.3.2"
     # producer side
     "redis==8.1.0"
+    "hiredis==3.5.0"               # redis-py's C reply parser
     "pydantic==2.14.3"
     "pydantic-core==2.50.4"        # exactly what pydantic 2.14.3 requires
     "annotated-types==0.8.0"       # pydantic
