@@ -102,8 +102,6 @@ async def test_a_burst_larger_than_read_count_is_taken_in_pieces_and_every_job_r
             *(producer.submit(f"job {i}", max_new_tokens=2) for i in range(10))
         )
         await start_worker(max_batch_size=16, read_count=4)
-        results = await asyncio.wait_for(
-            asyncio.gather(*(h.result() for h in handles)), timeout=20
-        )
+        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), timeout=20)
     assert [r.state for r in results] == ["done"] * 10
     assert taken == [4, 4, 2]
