@@ -3,15 +3,12 @@
 A service that takes many requests at once calls ``submit()`` from many tasks at once.
 Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst of 64 reaches
 the queue over tens of milliseconds, so a worker starts the first job alone. Batched, the
-burst goes out in pieces of up to PIECE jobs: one SUBSCRIBE for a piece's channels, then
-one script that enqueues every job of the piece, so a worker's read takes a piece whole and
-its engine prefills it in one pass. The next piece subscribes while this one's script runs,
-and the scripts run in submit order. Pieces rather than the whole burst: the first jobs
-reach a worker, and its GPU, while the SDK still works through the rest (each job costs
-the SDK tens of microseconds of Python). Each job still gets its own outcome; one that
-fails inside the script (say a key of the wrong type at its id) fails alone. A lone submit
-goes out on the next pass of the loop, as it did before: nothing waits for a batch to
-fill. A Redis that lost the script (a restart, SCRIPT FLUSH) gets it again.
+burst costs one SUBSCRIBE for all its channels, then one script that enqueues every job of
+the batch: the entries land in the stream together, so a worker's read takes them in one
+piece and its engine prefills them in one pass. Each job still gets its own outcome; one
+that fails inside the script (say a key of the wrong type at its id) fails alone. A lone
+submit goes out on the next pass of the loop, as it did before: nothing waits for a batch
+to fill. A Redis that lost the script (a restart, SCRIPT FLUSH) gets it again.
 """
 
 from __future__ import annotations
@@ -26,10 +23,10 @@ from producer.batch_script import per_job_script, reply_pairs
 from producer.keys import QueueKeys
 from producer.subscriber import EventRouter
 
-# Jobs per piece of a burst. 16 prompts of 256 tokens are one batched prefill pass of the
-# worker's engine (4096 tokens). Redis runs nothing else while a script runs; a 256-job
-# script took 3.5 ms of it (INFO commandstats, development machine), 16 jobs well under 1.
-PIECE = 16
+# More than this many submits in one pass go out as several scripts. Redis runs nothing
+# else while a script runs: 256 jobs of 256-token prompts took 3.5 ms of it (INFO
+# commandstats, development machine), 64 jobs 0.8 ms.
+MAX_BATCH = 256
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
 # state. KEYS[1] is the stream, KEYS[1 + i] job i's state hash; ARGV[1] the state TTL,
@@ -77,7 +74,7 @@ class _Pending:
 
 
 class SubmitBatcher:
-    """Subscribes, then enqueues, the submits of one loop pass, a piece at a time."""
+    """Subscribes, then enqueues, every submit of one loop pass in two round trips."""
 
     def __init__(
         self,
@@ -117,60 +114,29 @@ class SubmitBatcher:
 
     async def _flush(self) -> None:
         batch, self._waiting = self._waiting, []
-        pieces = [batch[start : start + PIECE] for start in range(0, len(batch), PIECE)]
-        subscribing = self._subscribe(pieces[0])
-        for index, piece in enumerate(pieces):
-            # The next piece's SUBSCRIBE goes out while this piece's script runs.
-            upcoming = self._subscribe(pieces[index + 1]) if index + 1 < len(pieces) else None
-            try:
-                await self._send(piece, subscribing)
-            except BaseException as exc:  # cancelled: leave no caller waiting, no channel held
-                if upcoming is not None:
-                    await self._abandon(pieces[index + 1], upcoming)
-                for rest in pieces[index:]:
-                    _fail(rest, exc)
-                raise
-            if upcoming is not None:
-                subscribing = upcoming
+        for start in range(0, len(batch), MAX_BATCH):
+            await self._send(batch[start : start + MAX_BATCH])
 
-    async def _abandon(
-        self, piece: list[_Pending], subscribing: asyncio.Task[list[asyncio.Queue[bytes]]]
-    ) -> None:
-        subscribing.cancel()
-        try:
-            queues = await subscribing
-        except BaseException:
-            return  # subscribe_many let go of its channels itself
-        await self._router.unsubscribe_many(list(zip(self._channels(piece), queues, strict=True)))
-
-    def _channels(self, piece: list[_Pending]) -> list[str]:
-        return [self._keys.events(p.job_id) for p in piece]
-
-    def _subscribe(self, piece: list[_Pending]) -> asyncio.Task[list[asyncio.Queue[bytes]]]:
-        return asyncio.create_task(self._router.subscribe_many(self._channels(piece)))
-
-    async def _send(
-        self, piece: list[_Pending], subscribing: asyncio.Task[list[asyncio.Queue[bytes]]]
-    ) -> None:
+    async def _send(self, batch: list[_Pending]) -> None:
         subscriptions: list[tuple[str, asyncio.Queue[bytes]]] = []
         try:
-            # subscribe_many unsubscribes on its own failure.
-            queues = await subscribing
-            subscriptions = list(zip(self._channels(piece), queues, strict=True))
-            keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in piece)]
+            channels = [self._keys.events(p.job_id) for p in batch]
+            queues = await self._router.subscribe_many(channels)
+            subscriptions = list(zip(channels, queues, strict=True))
+            keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]
             args: list[str | int] = [self._state_ttl_s, self._max_backlog]
-            args += [p.request_json for p in piece]
+            args += [p.request_json for p in batch]
             # redis-py sends EVALSHA, and loads the script again where Redis lost it.
             reply = await self._script(keys=keys, args=args)
         except BaseException as exc:
             await self._router.unsubscribe_many(subscriptions)
-            _fail(piece, exc)
+            _fail(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
         unwanted: list[tuple[str, asyncio.Queue[bytes]]] = []
         for pending, subscription, (outcome, detail) in zip(
-            piece, subscriptions, reply_pairs(reply), strict=True
+            batch, subscriptions, reply_pairs(reply), strict=True
         ):
             if pending.done.done():  # the caller was cancelled meanwhile
                 unwanted.append(subscription)

@@ -145,9 +145,7 @@ class Worker:
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
-                # A piece at a time: the engine starts on it while the next is read and
-                # parsed, instead of waiting for the whole burst.
-                wanted = min(self.free_slots, self.settings.read_count)
+                wanted = self.free_slots
                 entries = await self.broker.read(wanted, self.settings.read_block_ms)
                 if entries and len(entries) < wanted:
                     # A blocked read returns on the first entry of a burst; take the rest

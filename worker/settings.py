@@ -69,13 +69,6 @@ class WorkerSettings(BaseSettings):
     result_ttl_seconds: int = Field(24 * 3600, ge=1)
     dead_stream_max_len: int = Field(10_000, ge=1)
     read_block_ms: int = Field(1000, ge=10)
-    read_count: int = Field(
-        16,
-        ge=1,
-        le=1024,
-        description="most entries one read takes: a burst starts in pieces this big, the "
-        "engine prefilling one while the worker reads the next",
-    )
     heartbeat_seconds: float = Field(5.0, gt=0)
     claim_idle_ms: int = Field(
         30_000, ge=100, description="an entry this long without its owner's renewal is rerun"

@@ -81,27 +81,3 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
         handle = await producer.submit("still runs", max_new_tokens=2)
         result = await asyncio.wait_for(handle.result(), timeout=10)
     assert failed and result.state == "done"
-
-
-async def test_a_burst_larger_than_read_count_is_taken_in_pieces_and_every_job_runs(
-    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real_read = Broker.read
-    taken: list[int] = []
-
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
-        entries = await real_read(self, count, block_ms)
-        if entries:
-            taken.append(len(entries))
-        return entries
-
-    monkeypatch.setattr(Broker, "read", read)
-    async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        # Enqueued before the worker starts: one read could take all ten.
-        handles = await asyncio.gather(
-            *(producer.submit(f"job {i}", max_new_tokens=2) for i in range(10))
-        )
-        await start_worker(max_batch_size=16, read_count=4)
-        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), timeout=20)
-    assert [r.state for r in results] == ["done"] * 10
-    assert taken == [4, 4, 2]

@@ -12,7 +12,7 @@ from redis.exceptions import ResponseError
 
 from producer import AsyncProducer, JobHandle, QueueFull
 from producer.keys import QueueKeys
-from producer.submit_batch import PIECE
+from producer.submit_batch import MAX_BATCH
 
 pytestmark = pytest.mark.integration
 
@@ -22,24 +22,23 @@ async def _calls(client: aioredis.Redis, command: str) -> int:
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-async def test_a_burst_goes_out_in_pieces_of_one_subscribe_and_one_script_in_submit_order(
+async def test_a_burst_of_submits_is_one_subscribe_and_one_script_and_every_job_runs(
     redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
 ) -> None:
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         await producer.submit("warm up", max_new_tokens=1)  # the script is loaded
         await redis_client.config_resetstat()
-        count = 2 * PIECE + 8
-        prompts = [f"job {i} of the burst" for i in range(count)]
+        prompts = [f"job {i} of the burst" for i in range(40)]
         handles = await asyncio.gather(
             *(producer.submit(p, max_new_tokens=4, id=f"burst-{i}") for i, p in enumerate(prompts))
         )
-        assert await _calls(redis_client, "subscribe") == 3
-        assert await _calls(redis_client, "evalsha") == 3
-        assert [h.id for h in handles] == [f"burst-{i}" for i in range(count)]
-        # The pieces' scripts ran one after another: the stream holds the jobs in submit order.
+        assert await _calls(redis_client, "subscribe") == 1
+        assert await _calls(redis_client, "evalsha") == 1
+        assert [h.id for h in handles] == [f"burst-{i}" for i in range(40)]
+        # One script enqueued them: the stream holds them in submit order, together.
         entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
         ids = [json.loads(fields[b"job"])["id"] for _, fields in entries]
-        assert ids[-count:] == [f"burst-{i}" for i in range(count)]
+        assert ids[-40:] == [f"burst-{i}" for i in range(40)]
         await start_worker(max_batch_size=64)  # only now: its own scripts are EVALSHA too
         results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
     for prompt, result in zip(prompts, results, strict=True):
@@ -121,35 +120,16 @@ async def test_a_submit_cancelled_while_its_batch_is_out_leaves_no_subscription(
         assert producer._router.channel_count == 0
 
 
-async def test_a_burst_cancelled_midway_leaves_no_caller_waiting_and_no_channel_held(
-    redis_url: str, queue_name: str, monkeypatch: pytest.MonkeyPatch
+async def test_a_burst_larger_than_one_batch_goes_out_in_several(
+    redis_url: str, queue_name: str, redis_client: aioredis.Redis
 ) -> None:
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        batcher = producer._submits
-        real_script = batcher._script
-        scripts = 0
-        second_piece_out = asyncio.Event()
-
-        async def script(**kwargs: Any) -> Any:
-            nonlocal scripts
-            scripts += 1
-            if scripts == 2:  # the second piece's script never returns
-                second_piece_out.set()
-                await asyncio.Event().wait()
-            return await real_script(**kwargs)
-
-        monkeypatch.setattr(batcher, "_script", script)
-        submits = [
-            asyncio.create_task(producer.submit(f"job {i}", max_new_tokens=1))
-            for i in range(3 * PIECE)
-        ]
-        await asyncio.wait_for(second_piece_out.wait(), 10)
-        (flush,) = batcher._flushes
-        flush.cancel()  # as at shutdown; the third piece is subscribing meanwhile
-        outcomes = await asyncio.gather(*submits, return_exceptions=True)
-        handles = [o for o in outcomes if isinstance(o, JobHandle)]
-        assert len(handles) == PIECE  # the first piece was enqueued
-        assert all(isinstance(o, asyncio.CancelledError) for o in outcomes[PIECE:])
-        for handle in handles:
-            await producer._release(handle.id, handle._events)
-        assert producer._router.channel_count == 0
+        await producer.submit("warm up", max_new_tokens=1)
+        await redis_client.config_resetstat()
+        handles = await asyncio.gather(
+            *(producer.submit(f"job {i}", max_new_tokens=1) for i in range(MAX_BATCH + 44))
+        )
+        assert await _calls(redis_client, "subscribe") == 2
+        assert len({h.id for h in handles}) == MAX_BATCH + 44
+        assert producer._router.channel_count == MAX_BATCH + 45
+    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == MAX_BATCH + 45
