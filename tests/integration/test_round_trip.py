@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from producer import AsyncProducer, DoneEvent, Producer, TokenEvent
-from producer.protocol import GenerationRequest
+from producer.protocol import GenerationRequest, JobResult, Timings, Usage
 from worker.engines.echo import echo_text
 
 pytestmark = pytest.mark.integration
@@ -103,3 +103,25 @@ async def test_a_burst_of_concurrent_submits_waits_for_connections(
         )
         results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
     assert [r.text for r in results] == [f" burst {i}" for i in range(300)]
+
+
+async def test_a_stream_whose_events_never_come_ends_from_the_stored_result(
+    redis_url: str, queue_name: str, redis_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker's events were lost (say the pub/sub connection dropped unnoticed) but its
+    # result was stored: after RESULT_POLL_S of quiet the handle reads the result.
+    monkeypatch.setattr("producer.client.RESULT_POLL_S", 0.2)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("lost events", max_new_tokens=2)
+        stored = JobResult(
+            id=handle.id,
+            state="done",
+            text="from the store",
+            finish_reason="length",
+            usage=Usage(prompt_tokens=2, completion_tokens=2, cached_tokens=0),
+            timings=Timings(queued_s=0.0, first_token_s=0.1, total_s=0.2),
+        )
+        await redis_client.set(producer.keys.result(handle.id), stored.model_dump_json())
+        result = await handle.result(timeout=10)
+    assert result.text == "from the store"
+    assert result.state == "done"
