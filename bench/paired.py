@@ -57,10 +57,10 @@ class EngineAlone:
             prefill_batch_tokens,
         )
         self.generator = self.loaded.generator
-        graphs = importlib.import_module("worker.engines.exllamav2_graphs")
-        graphs.install_decode_graphs(self.generator, max_batch_size)
-        self.generator.warmup()
-        self.generator.warm_up_prefill()
+        # Readied as the worker's engine readies it.
+        importlib.import_module("worker.engines.exllamav2_load").warm_up(
+            self.generator, max_batch_size
+        )
 
     def run(
         self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int

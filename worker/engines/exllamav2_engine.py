@@ -82,7 +82,7 @@ class ExLlamaV2Engine(Engine):
     def __init__(self, settings: WorkerSettings, attention: str) -> None:
         import torch
 
-        from worker.engines.exllamav2_load import load_generator
+        from worker.engines.exllamav2_load import load_generator, warm_up
 
         assert settings.model is not None
         self._torch = torch
@@ -101,15 +101,10 @@ class ExLlamaV2Engine(Engine):
         self.tokenizer = self.loaded.tokenizer
         self.generator = self.loaded.generator
         cache_tokens = self.loaded.cache_tokens
-        self.generator.warmup()
-        if hasattr(self.generator, "warm_up_prefill"):
-            seconds = self.generator.warm_up_prefill()
-            log.info("prefill kernels compiled in %.1f s", seconds)
-        self.graphs: DecodeGraphs | None = None
-        if settings.cuda_graphs:
-            from worker.engines.exllamav2_graphs import install_decode_graphs
-
-            self.graphs = install_decode_graphs(self.generator, self.capacity)
+        warmed = warm_up(self.generator, self.capacity if settings.cuda_graphs else None)
+        if warmed.prefill_seconds is not None:
+            log.info("prefill kernels compiled in %.1f s", warmed.prefill_seconds)
+        self.graphs: DecodeGraphs | None = warmed.graphs
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)
         self.chat = ChatFormatter(
             settings.model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""

@@ -1,4 +1,5 @@
-"""load_generator: the one way exlq loads a model for exllamav2's dynamic generator.
+"""load_generator: the one way exlq loads a model for exllamav2's dynamic generator, and
+warm_up: the one way it readies that generator before the first job.
 
 config -> model scratch sized for the batch -> model -> paged cache -> load_autosplit ->
 tokenizer -> generator (exlq's subclass where its levers are asked for). The worker's
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
+from worker.engines.exllamav2_graphs import DecodeGraphs, install_decode_graphs
 
 PAGE_TOKENS = 256  # exllamav2's PAGED_PAGE_SIZE
 
@@ -75,3 +77,19 @@ def load_generator(
         **options,
     )
     return LoadedGenerator(model, cache, tokenizer, generator, cache_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmedUp:
+    graphs: DecodeGraphs | None  # None: no graphs asked for, or the model cannot have them
+    prefill_seconds: float | None  # compiling the batched prefill's kernels; None: no batching
+
+
+def warm_up(generator: Any, graphs_for: int | None) -> WarmedUp:
+    """What the worker's engine does before it takes a job: exllamav2's warm-up, compiling
+    the batched prefill's kernels (exlq's generator), then capturing the decode step's CUDA
+    graphs for 1..graphs_for jobs (None: no graphs)."""
+    generator.warmup()
+    prefill_seconds = generator.warm_up_prefill() if hasattr(generator, "warm_up_prefill") else None
+    graphs = install_decode_graphs(generator, graphs_for) if graphs_for else None
+    return WarmedUp(graphs, prefill_seconds)
