@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bench.placement import _parse, _ranges, on_cpus, placement
+from bench.placement import _parse, _ranges, on_cpus, placement, smt_siblings
 
 needs_affinity = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only"
@@ -50,3 +50,50 @@ def test_a_named_set_leaves_the_rest_to_the_load() -> None:
     place = placement(str(allowed[0]))
     assert place.server == {allowed[0]} and place.load == set(allowed[1:])
     assert "system under test on CPUs" in place.describe()
+
+
+def _pairs(cpu: int) -> frozenset[int]:
+    """16 CPUs on 8 cores, as Linux numbers SMT siblings on many machines: i and i + 8."""
+    return frozenset({cpu % 8, cpu % 8 + 8})
+
+
+def test_auto_takes_distinct_cores_and_leaves_their_siblings_idle() -> None:
+    place = placement("auto", _pairs, set(range(16)))
+    assert place.server == {0, 1, 2, 3}
+    assert place.idle == {8, 9, 10, 11}
+    assert place.load == {4, 5, 6, 7, 12, 13, 14, 15}
+    assert "SMT siblings 8-11 idle" in place.describe()
+
+
+def test_auto_skips_the_sibling_of_a_cpu_it_took() -> None:
+    # Siblings numbered next to each other: 0-1, 2-3, ...
+    place = placement(
+        "auto", lambda cpu: frozenset({cpu - cpu % 2, cpu - cpu % 2 + 1}), set(range(16))
+    )
+    assert place.server == {0, 2, 4, 6}
+    assert place.idle == {1, 3, 5, 7}
+    assert place.load == set(range(8, 16))
+
+
+def test_without_smt_auto_is_the_first_four() -> None:
+    place = placement("auto", lambda cpu: frozenset({cpu}), set(range(16)))
+    assert place.server == {0, 1, 2, 3} and place.load == set(range(4, 16)) and not place.idle
+
+
+def test_server_and_load_can_both_be_named() -> None:
+    place = placement("0-3:4-15", _pairs, set(range(16)))
+    assert place.server == {0, 1, 2, 3} and place.load == set(range(4, 16)) and not place.idle
+    with pytest.raises(ValueError, match="in both"):
+        placement("0-3:3-15", _pairs, set(range(16)))
+    with pytest.raises(ValueError, match="auto takes no"):
+        placement("auto:4-15", _pairs, set(range(16)))
+
+
+def test_a_named_server_keeps_its_siblings_from_the_load() -> None:
+    place = placement("0-1", _pairs, set(range(16)))
+    assert place.idle == {8, 9}
+    assert place.load == set(range(16)) - {0, 1, 8, 9}
+
+
+def test_smt_siblings_include_the_cpu_itself() -> None:
+    assert 0 in smt_siblings(0)
