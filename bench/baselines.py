@@ -36,6 +36,11 @@ __all__ = [
 FIRST_ORDINARY_ID = 3  # ids 0, 1, 2 are <unk>, <s>, </s> in bench/make_checkpoint.py checkpoints
 WS_READY = "EXLQ_WS_READY"
 WS_STATS = "EXLQ_WS_STATS"
+# Every system starts its timed burst from an idle GPU, as a server meets a burst after a
+# quiet spell. exlq's engine is idle while the burst travels to it; an engine that started
+# right after its warm-up jobs met it busy, and on the H100 that was worth 2-2.5 ms of TTFT
+# at one job (20 and 200 ms idle alike; bench/results/2026-11-23-H100-paired/idle-gap.json).
+IDLE_BEFORE_RUN_S = 0.1
 
 
 # --------------------------------------------------------------------------- helpers
@@ -352,11 +357,13 @@ def run_dynamic(
     The clock starts when the prompts are in hand, before their jobs are built, as exlq's
     starts when its client submits them: a server on this generator builds a job for each
     request it gets (about 0.1 ms each on the H100, exllamav2's own Python). ``build_ms``
-    says how long that took."""
+    says how long that took. The GPU idles IDLE_BEFORE_RUN_S first."""
     import torch
 
     exl_gen = importlib.import_module("exllamav2.generator")
     settings = exl_gen.ExLlamaV2Sampler.Settings.greedy()
+    torch.cuda.synchronize()
+    time.sleep(IDLE_BEFORE_RUN_S)
     t0 = time.perf_counter()
     jobs = [
         exl_gen.ExLlamaV2DynamicJob(
@@ -561,6 +568,7 @@ async def _ws_drive(
                     return times, msg
             raise RuntimeError("websocket closed before the full response")
 
+        await asyncio.sleep(IDLE_BEFORE_RUN_S)
         t0 = time.perf_counter()
         partial: list[list[float]] = [[] for _ in requests]
 
@@ -872,6 +880,7 @@ def _hf_continuous_batching(
         manager.start()
         attn_used = str(model.config._attn_implementation)
         results: dict[str, Any] = {}
+        time.sleep(IDLE_BEFORE_RUN_S)
         t0 = time.perf_counter()
         ids = [
             manager.add_request(
@@ -960,6 +969,7 @@ def _hf_generate(
             step_times.clear()
         if cuda:
             torch.cuda.synchronize()
+        time.sleep(IDLE_BEFORE_RUN_S)
         t0 = time.perf_counter()
         clock = StoppingCriteriaList([_Clock()])
         out = model.generate(input_ids, stopping_criteria=clock, **gen_kwargs)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.baselines import _summarize, percentiles, random_prompt_ids
+from bench.baselines import IDLE_BEFORE_RUN_S, _summarize, percentiles, random_prompt_ids
 from bench.placement import on_cpus
 from producer import AsyncProducer, DoneEvent, TokenEvent
 from worker.embedded_redis import RedisServer, free_port
@@ -152,6 +152,7 @@ async def _run_point(
                 else:
                     raise RuntimeError(f"job {j}: {event}")
 
+        await asyncio.sleep(IDLE_BEFORE_RUN_S)  # as every system: the worker idles meanwhile
         t0 = time.perf_counter()
         await asyncio.gather(*(one(j, ids) for j, ids in enumerate(prompts)))
         t_end = time.perf_counter()
