@@ -36,10 +36,11 @@ __all__ = [
 FIRST_ORDINARY_ID = 3  # ids 0, 1, 2 are <unk>, <s>, </s> in bench/make_checkpoint.py checkpoints
 WS_READY = "EXLQ_WS_READY"
 WS_STATS = "EXLQ_WS_STATS"
-# Every system starts its timed burst from an idle GPU, as a server meets a burst after a
+# Every system idles this long before its timed burst, as a server meets a burst after a
 # quiet spell. exlq's engine is idle while the burst travels to it; an engine that started
-# right after its warm-up jobs met it busy, and on the H100 that was worth 2-2.5 ms of TTFT
-# at one job (20 and 200 ms idle alike; bench/results/2026-11-23-H100-paired/idle-gap.json).
+# right after its warm-up jobs met it busy, and on the H100 that was worth 1.1-2.1 ms of
+# TTFT at one job (20 and 200 ms idle alike; a spinning CPU, 0.4 at most). Measured by
+# bench.idle_start (bench/results/2026-11-23-H100-paired/idle-*.json).
 IDLE_BEFORE_RUN_S = 0.1
 
 
