@@ -316,8 +316,9 @@ def main() -> None:
     ap.add_argument(
         "--worker-cpus",
         default="auto",
-        help="CPUs of the system under test, e.g. 0-3; clients and Redis get the rest. auto: "
-        f"the first {AUTO_SERVER_CPUS} with {AUTO_MIN_CPUS}+ CPUs; all: no placement",
+        help="CPUs of the system under test, e.g. 0-3 (clients and Redis get the rest, less "
+        "their SMT siblings), or both sides, e.g. 0-3:4-15. auto: "
+        f"{AUTO_SERVER_CPUS} CPUs of distinct cores with {AUTO_MIN_CPUS}+ CPUs; all: no placement",
     )
     ap.add_argument(
         "--prefill-batch-tokens",
