@@ -314,15 +314,6 @@ def exl_load(
     )
 
 
-def _warm_up(generator: Any, prompts: list[list[int]]) -> None:
-    """exllamav2's warm-up, exlq's prefill warm-up where the generator has one (as
-    exlq's engine runs at start), then short jobs on the prompts (warm_up_jobs)."""
-    generator.warmup()
-    if hasattr(generator, "warm_up_prefill"):
-        generator.warm_up_prefill()
-    warm_up_jobs(generator, prompts)
-
-
 def warm_up_jobs(generator: Any, prompts: list[list[int]]) -> None:
     """As many short jobs as the run has, on other prompts: every kernel variant the run
     needs compiles here, and the prefix cache learns nothing of the real prompts."""
@@ -351,6 +342,7 @@ def run_dynamic(
     max_new_tokens: int,
     seed: int,
     system: str,
+    idle_s: float = IDLE_BEFORE_RUN_S,
 ) -> dict[str, Any]:
     """One timed run on a loaded dynamic generator: the prompts enqueued at once, greedy, no
     stop conditions (no EOS), iterated until every job ends.
@@ -358,13 +350,13 @@ def run_dynamic(
     The clock starts when the prompts are in hand, before their jobs are built, as exlq's
     starts when its client submits them: a server on this generator builds a job for each
     request it gets (about 0.1 ms each on the H100, exllamav2's own Python). ``build_ms``
-    says how long that took. The GPU idles IDLE_BEFORE_RUN_S first."""
+    says how long that took. The generator idles ``idle_s`` first."""
     import torch
 
     exl_gen = importlib.import_module("exllamav2.generator")
     settings = exl_gen.ExLlamaV2Sampler.Settings.greedy()
     torch.cuda.synchronize()
-    time.sleep(IDLE_BEFORE_RUN_S)
+    time.sleep(idle_s)
     t0 = time.perf_counter()
     jobs = [
         exl_gen.ExLlamaV2DynamicJob(
@@ -453,14 +445,18 @@ def bench_exllamav2_dynamic(
             prefill_batch_tokens,
         )
         generator = loaded.generator
-        if exlq_decode:
-            graphs = importlib.import_module("worker.engines.exllamav2_graphs")
-            graphs.install_decode_graphs(generator, concurrency)
         load_s = time.perf_counter() - t_load
+        graphs_for = concurrency if exlq_decode else None
         if warmup:
-            _warm_up(
+            # Readied as the worker's engine readies it (graphs with exlq_decode), then
+            # short jobs on other prompts.
+            importlib.import_module("worker.engines.exllamav2_load").warm_up(generator, graphs_for)
+            warm_up_jobs(
                 generator, random_prompt_ids(model_dir, concurrency, prompt_tokens, seed + 1000)
             )
+        elif graphs_for:  # a cold start still decodes from graphs, as the engine would
+            graphs = importlib.import_module("worker.engines.exllamav2_graphs")
+            graphs.install_decode_graphs(generator, graphs_for)
         out = run_dynamic(
             generator,
             model_dir,

@@ -78,7 +78,6 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             1,
         )
     gaps = {kind: gap_of(kind, args.gap_s) for kind in args.kinds}
-    baselines.IDLE_BEFORE_RUN_S = 0.0  # the gap under test is the only one
     rows: list[dict[str, Any]] = []
     try:
         for repeat in range(args.repeats):
@@ -90,8 +89,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 with on_cpus(place.server):
                     baselines.warm_up_jobs(engine.generator, warm)
                     gaps[kind]()
-                    run = baselines.run_dynamic(
-                        engine.generator, model, prompts, args.max_new_tokens, 0, "exlq-engine"
+                    run = baselines.run_dynamic(  # the gap under test is the only one
+                        engine.generator,
+                        model,
+                        prompts,
+                        args.max_new_tokens,
+                        0,
+                        "exlq-engine",
+                        idle_s=0.0,
                     )
                 rows.append(
                     {

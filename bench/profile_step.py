@@ -24,7 +24,7 @@ def build(
     gpu_sampling: bool,
 ) -> Any:  # fmt: skip
     from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_load import load_generator
+    from worker.engines.exllamav2_load import load_generator, warm_up
 
     install_attention("exlq")
     loaded = load_generator(
@@ -37,11 +37,8 @@ def build(
         sampling_threads=threads,
     )
     generator = loaded.generator
-    generator.warmup()
+    decode_graphs = warm_up(generator, jobs if graphs else None).graphs
     if graphs:
-        from worker.engines.exllamav2_graphs import install_decode_graphs
-
-        decode_graphs = install_decode_graphs(generator, jobs)
         assert decode_graphs is not None
         print(f"CUDA graphs for 1..{jobs} jobs captured in {decode_graphs.capture_seconds:.1f} s")
     return loaded, generator
