@@ -41,6 +41,10 @@ DEFAULT_STATE_TTL_S = 24 * 3600
 # was published while its events could not arrive. After a reconnect the router tells
 # every handle at once; this is the fallback for losses nobody noticed.
 RESULT_POLL_S = 30.0
+# The job whose channel and state key the producer's event connection tries once, at
+# connect: may its Redis user subscribe to job channels, and does the server run commands
+# on a subscribed connection? Nothing is written.
+SERVER_CHECK_ID = "exlq-server-check"
 
 # Mark the job so a worker that has not started it never will, and tell running workers.
 _CANCEL_LUA = """
@@ -292,13 +296,16 @@ class AsyncProducer:
         self._owns_client = client is None
         if client is None:
             # A blocking pool: a burst of submits waits for a free connection instead of
-            # failing with "Too many connections". One connection is the event router's.
+            # failing with "Too many connections". The event router's connection is its
+            # own, outside the pool.
             pool = aioredis.BlockingConnectionPool.from_url(
-                redis_url, max_connections=max(max_connections, 2), timeout=None
+                redis_url, max_connections=max(max_connections, 1), timeout=None
             )
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
-        self._router = EventRouter(client)
+        self._router = EventRouter(
+            client, self.keys.events(SERVER_CHECK_ID), self.keys.job(SERVER_CHECK_ID)
+        )
         self._submits = SubmitBatcher(client, self._router, self.keys, state_ttl_s, max_backlog)
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
 
@@ -319,7 +326,8 @@ class AsyncProducer:
     ) -> JobHandle:
         """Enqueue a job and return its handle. Subscribes before enqueuing, so no event is
         missed. Submitting an id that exists returns a handle to that same job. Submits made
-        at once (from many tasks) go to Redis together: one SUBSCRIBE, one pipeline."""
+        at once (from many tasks) go to Redis together: one SUBSCRIBE and one script, in one
+        write."""
         if request is None:
             request = build_request(prompt, fields)
         elif prompt is not None or fields:

@@ -3,8 +3,10 @@
 A service that takes many requests at once calls ``submit()`` from many tasks at once.
 Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst of 64 reaches
 the queue over tens of milliseconds, so a worker starts the first job alone. Batched, the
-burst costs one SUBSCRIBE for all its channels, then one script that enqueues every job of
-the batch: the entries land in the stream together, so a worker's read takes them in one
+burst is one write on the producer's event connection: one SUBSCRIBE for all its channels,
+then one script that enqueues every job of the batch. Redis runs the script after the
+SUBSCRIBE, so no event is missed, and the whole submit is one round trip. The entries land
+in the stream together, so a worker's read takes them in one
 piece and its engine prefills them in one pass. Each job still gets its own outcome; one
 that fails inside the script (say a key of the wrong type at its id) fails alone. A lone
 submit goes out on the next pass of the loop, as it did before: nothing waits for a batch
@@ -17,7 +19,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from producer.batch_script import per_job_script, reply_pairs
 from producer.keys import QueueKeys
@@ -74,7 +76,7 @@ class _Pending:
 
 
 class SubmitBatcher:
-    """Subscribes, then enqueues, every submit of one loop pass in two round trips."""
+    """Subscribes, then enqueues, every submit of one loop pass in one round trip."""
 
     def __init__(
         self,
@@ -121,15 +123,18 @@ class SubmitBatcher:
         subscriptions: list[tuple[str, asyncio.Queue[bytes]]] = []
         try:
             channels = [self._keys.events(p.job_id) for p in batch]
-            queues = await self._router.subscribe_many(channels)
-            subscriptions = list(zip(channels, queues, strict=True))
             keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]
             args: list[str | int] = [self._state_ttl_s, self._max_backlog]
             args += [p.request_json for p in batch]
-            # redis-py sends EVALSHA, and loads the script again where Redis lost it.
-            reply = await self._script(keys=keys, args=args)
+            script = ("EVALSHA", self._script.sha, len(keys), *keys, *args)
+            try:
+                queues, reply = await self._router.subscribe_then(channels, script)
+            except NoScriptError:
+                # Redis lost the script (a restart, SCRIPT FLUSH): nothing was enqueued.
+                await self._redis.script_load(SUBMIT_MANY_LUA)
+                queues, reply = await self._router.subscribe_then(channels, script)
+            subscriptions = list(zip(channels, queues, strict=True))
         except BaseException as exc:
-            await self._router.unsubscribe_many(subscriptions)
             _fail(batch, exc)
             if not isinstance(exc, Exception):
                 raise

@@ -1,77 +1,141 @@
-"""One pub/sub connection per producer that carries the channels of all its jobs."""
+"""One RESP3 connection per producer: the channels of all its jobs, and the command that
+must run once they are subscribed.
+
+Redis runs the commands of one connection in the order they arrive, and under RESP3 a
+subscribed connection may still run any command. So a SUBSCRIBE and the script that
+enqueues the jobs go out in one write on this connection, and the script runs only after
+every channel is subscribed: no job can publish an event its producer misses, and a submit
+costs one round trip, not a SUBSCRIBE, its confirmations, then the script.
+
+What arrives on the connection is of two kinds. Pushes (``message``, ``subscribe``,
+``unsubscribe``) carry events and confirmations. Replies answer the commands sent here, in
+the order they were sent; each write waits for one reply, after the ``subscribe``
+confirmations of its channels. A SUBSCRIBE that Redis refuses (an ACL without the
+channel) replies with one error instead of its confirmations, and the count of
+confirmations still due tells that error from the command's reply.
+
+A server that runs nothing but pub/sub commands on a subscribed connection (fakeredis, a
+RESP2-only proxy) is found at connect. There the router waits for the confirmations, then
+runs the command on the client's pool: two round trips, the same order.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 from producer.backoff import reconnect_delay_s
 
 log = logging.getLogger(__name__)
 
-SUBSCRIBE_TIMEOUT_S = 10.0
+# How long a write here may wait for its answer, or a sender for a lost connection to come
+# back, before it fails with a Redis timeout.
+REPLY_TIMEOUT_S = 10.0
 # Put in every queue after the connection came back: events may have been lost meanwhile,
 # so each handle looks at its stored result.
 RECONNECTED = b""
-_READ_POLL_S = 1.0
+_PUSH_KINDS = frozenset({b"message", b"subscribe", b"unsubscribe"})
+
+Command = Sequence[EncodableT]
+
+
+@dataclass(slots=True)
+class _Sent:
+    """One write on the connection, waiting for what Redis owes it."""
+
+    confirmations: int  # ``subscribe`` pushes still due
+    reply: asyncio.Future[object] | None  # None: nobody waits (a resubscription)
+    wants_reply: bool = True  # False: done once the confirmations are in
+    refused: ResponseError | None = None  # the SUBSCRIBE's own error
+
+
+def _is_push(response: object) -> bool:
+    """Pushes are 3-item lists led by their kind; no command sent here replies with one."""
+    return isinstance(response, list) and len(response) == 3 and response[0] in _PUSH_KINDS
+
+
+def _settle(reply: asyncio.Future[object] | None, result: object) -> None:
+    if reply is None or reply.done():  # done: its caller was cancelled or timed out
+        return
+    if isinstance(result, BaseException):
+        reply.set_exception(result)
+    else:
+        reply.set_result(result)
 
 
 class EventRouter:
-    """Reads one PubSub connection and hands each message to the queues of its channel.
+    """Reads the connection and hands each event to the queues of its channel.
 
-    Subscribing waits for the server's confirmation, so a caller that enqueues a job
-    after ``subscribe_many()`` returns cannot miss its first event. Two handles of one job
-    (the same id submitted twice) each get a queue of their own; the channel is left when
-    the last of them lets go.
+    Two handles of one job (the same id submitted twice) each get a queue of their own;
+    the channel is left when the last of them lets go. After a lost connection, it
+    reconnects with backoff, subscribes every channel again, and puts ``RECONNECTED`` in
+    every queue. ``check_channel`` and ``check_key`` are a job's channel and state key,
+    used once at connect to check what the server allows.
     """
 
-    def __init__(self, client: aioredis.Redis) -> None:
-        self._pubsub = client.pubsub()
+    def __init__(self, client: aioredis.Redis, check_channel: str, check_key: str) -> None:
+        self._client = client
+        self._check_channel = check_channel
+        self._check_key = check_key
+        pool = client.connection_pool
+        # The client's own settings (address, TLS, credentials), speaking RESP3.
+        self._conn: AbstractConnection = pool.connection_class(
+            **{**pool.connection_kwargs, "protocol": 3}
+        )
         self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}
-        self._confirmations: dict[str, asyncio.Future[None]] = {}
+        self._sent: deque[_Sent] = deque()
+        self._send_lock = asyncio.Lock()
+        self._up = asyncio.Event()  # connected, and every held channel asked for
         self._reader: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
+        self.commands_while_subscribed = True  # found at connect
 
     @property
     def channel_count(self) -> int:
         return len(self._queues)
 
-    async def subscribe_many(self, channels: list[str]) -> list[asyncio.Queue[bytes]]:
-        """One queue per entry of ``channels``, returned once the server has confirmed every
-        channel; one SUBSCRIBE carries those not yet subscribed. On failure, none of the
-        queues stays registered."""
-        async with self._lock:
-            if self._reader is None:
-                await self._pubsub.connect()  # type: ignore[no-untyped-call]
-                self._reader = asyncio.create_task(self._read_loop(), name="exlq-event-router")
-        loop = asyncio.get_running_loop()
+    async def subscribe_then(
+        self, channels: list[str], command: Command
+    ) -> tuple[list[asyncio.Queue[bytes]], object]:
+        """One queue per entry of ``channels``, and ``command``'s reply: Redis runs the
+        command once every channel is subscribed. On failure (the command's error too),
+        none of the queues stays registered. The command must not reply with nil or with
+        a 3-item list led by a pub/sub kind."""
         queues: list[asyncio.Queue[bytes]] = []
         new: list[str] = []
-        waits: list[asyncio.Future[None]] = []
         for channel in channels:
             queue: asyncio.Queue[bytes] = asyncio.Queue()
             queues.append(queue)
-            if channel not in self._queues:
-                self._queues[channel] = []
-                self._confirmations[channel] = loop.create_future()
+            held = self._queues.setdefault(channel, [])
+            if not held:
                 new.append(channel)
-            self._queues[channel].append(queue)
-            confirmed = self._confirmations.get(channel)
-            if confirmed is not None:  # None: confirmed long ago
-                waits.append(confirmed)
+            held.append(queue)
         try:
-            if new:
-                await self._pubsub.subscribe(*new)
-            await asyncio.wait_for(asyncio.gather(*waits), SUBSCRIBE_TIMEOUT_S)
+            await self._start()
+            if self.commands_while_subscribed:
+                first: list[Command] = [("SUBSCRIBE", *new)] if new else []
+                reply = await self._call([*first, command], len(new), wants_reply=True)
+            else:
+                # A channel held already may still wait for its confirmation: ask again
+                # (Redis confirms a channel subscribed twice) rather than guess.
+                again = list(dict.fromkeys(channels))
+                await self._call([("SUBSCRIBE", *again)], len(again), wants_reply=False)
+                reply = await self._client.execute_command(*command)  # type: ignore[no-untyped-call]
         except BaseException:
             await self.unsubscribe_many(list(zip(channels, queues, strict=True)))
             raise
-        return queues
+        return queues, reply
 
     async def unsubscribe_many(self, subscriptions: list[tuple[str, asyncio.Queue[bytes]]]) -> None:
         """Drop these (channel, queue) pairs; leave every channel that has no queue left."""
@@ -83,11 +147,12 @@ class EventRouter:
             held.remove(queue)
             if not held:
                 del self._queues[channel]
-                self._confirmations.pop(channel, None)
                 emptied.append(channel)
         if emptied:
-            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
-                await self._pubsub.unsubscribe(*emptied)
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+                async with self._send_lock:
+                    if self._up.is_set():  # else a reconnect subscribes only what is held
+                        await self._send([("UNSUBSCRIBE", *emptied)])
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -95,40 +160,167 @@ class EventRouter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
-        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        self._up.clear()
+        self._fail_sent(RedisConnectionError("the producer was closed"))
+        await self._conn.disconnect()
         self._queues.clear()
 
+    # -- sending -------------------------------------------------------------------------
+
+    async def _call(self, commands: list[Command], confirmations: int, wants_reply: bool) -> object:
+        reply: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                await self._up.wait()
+                async with self._send_lock:
+                    if not self._up.is_set():
+                        raise RedisConnectionError("the connection for events was just lost")
+                    # Appended and written under one lock: the FIFO matches the wire.
+                    self._sent.append(_Sent(confirmations, reply, wants_reply))
+                    await self._send(commands)
+                # Cancelling the wait cancels the future; what Redis owes it is still
+                # read and dropped in turn, so the writes after it meet their replies.
+                return await reply
+        except TimeoutError:
+            raise RedisTimeoutError(
+                f"Redis did not answer within {REPLY_TIMEOUT_S:.0f}s; the connection "
+                "for events is down or Redis is busy"
+            ) from None
+
+    async def _send(self, commands: list[Command]) -> None:
+        conn = self._conn
+        await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+
+    async def _start(self) -> None:
+        """Connect on first use, raising if Redis cannot be reached or refuses this user
+        the job channels; then start reading."""
+        if self._reader is not None:
+            return
+        async with self._send_lock:
+            if self._reader is None:
+                await self._conn.connect()  # type: ignore[no-untyped-call]
+                await self._check_server()
+                self._reader = asyncio.create_task(self._read_loop(), name="exlq-event-router")
+                self._up.set()
+
+    async def _check_server(self) -> None:
+        """Before anything is enqueued: may this user subscribe to job channels, and does
+        the server run other commands on a subscribed connection?"""
+        conn = self._conn
+        await self._send(
+            [
+                ("SUBSCRIBE", self._check_channel),
+                ("EXISTS", self._check_key),
+                ("UNSUBSCRIBE", self._check_channel),
+            ]
+        )
+        answers: list[object] = []
+        for _ in range(3):
+            try:
+                answers.append(
+                    await conn.read_response(disconnect_on_error=False, push_request=True)
+                )
+            except ResponseError as exc:
+                answers.append(exc)
+        if isinstance(answers[0], ResponseError):
+            await conn.disconnect()
+            raise type(answers[0])(
+                f"{answers[0]} ({self._check_channel}): grant this Redis user the job "
+                "channels, as docs/SECURITY.md shows"
+            )
+        self.commands_while_subscribed = not isinstance(answers[1], ResponseError)
+        if not self.commands_while_subscribed:
+            log.info(
+                "Redis runs only pub/sub commands on a subscribed connection (%s); "
+                "a submit takes two round trips",
+                answers[1],
+            )
+
+    # -- reading -------------------------------------------------------------------------
+
     async def _read_loop(self) -> None:
-        failures = 0
+        conn = self._conn
         while True:
             try:
-                message = await self._pubsub.get_message(timeout=_READ_POLL_S)
-            except asyncio.CancelledError:
-                raise
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                delay = reconnect_delay_s(failures)
-                failures += 1
-                log.warning("pub/sub connection lost (%s); retrying in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
+                response = await conn.read_response(
+                    timeout=math.inf, disconnect_on_error=False, push_request=True
+                )
+            except ResponseError as exc:
+                self._reply(exc)
                 continue
-            if failures:  # back: redis-py has resubscribed every channel
-                failures = 0
-                for held in self._queues.values():
-                    for queue in held:
-                        queue.put_nowait(RECONNECTED)
-            if message is not None:
-                self._dispatch(message)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                await self._reconnect(exc)
+                continue
+            if _is_push(response):
+                self._push(response)
+            elif response is not None:  # None: a push redis-py handled (maintenance)
+                self._reply(response)
 
-    def _dispatch(self, message: dict[str, object]) -> None:
-        raw_channel = message["channel"]
-        channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
-        kind = message["type"]
-        if kind == "message":
-            data = message["data"]
-            if isinstance(data, bytes):
-                for queue in self._queues.get(channel, ()):
-                    queue.put_nowait(data)
-        elif kind == "subscribe":
-            confirmed = self._confirmations.pop(channel, None)
-            if confirmed is not None and not confirmed.done():
-                confirmed.set_result(None)
+    def _push(self, push: list[bytes]) -> None:
+        kind, raw_channel, data = push
+        if kind == b"message":
+            for queue in self._queues.get(raw_channel.decode(), ()):
+                queue.put_nowait(data)
+        elif kind == b"subscribe" and self._sent and self._sent[0].confirmations:
+            head = self._sent[0]
+            head.confirmations -= 1
+            if not head.confirmations and not head.wants_reply:
+                self._sent.popleft()
+                _settle(head.reply, None)
+
+    def _reply(self, response: object) -> None:
+        if not self._sent:
+            log.error("Redis sent a reply nothing waits for: %r", response)
+            return
+        head = self._sent[0]
+        if head.confirmations:
+            # The SUBSCRIBE was refused: its error came instead of its confirmations.
+            head.confirmations = 0
+            if isinstance(response, ResponseError):
+                head.refused = response
+            if not head.wants_reply:
+                self._sent.popleft()
+                if head.reply is None:
+                    log.error("subscribing again after a reconnect failed: %s", response)
+                _settle(head.reply, response)
+            return
+        self._sent.popleft()
+        if head.refused is not None:
+            # The command ran, but its events cannot arrive: say so, and what to fix.
+            response = type(head.refused)(
+                f"{head.refused}; the command after the SUBSCRIBE ran anyway (the jobs "
+                "of this submit may be queued): grant this Redis user the job channels"
+            )
+        _settle(head.reply, response)
+
+    def _fail_sent(self, exc: Exception) -> None:
+        while self._sent:
+            _settle(self._sent.popleft().reply, exc)
+
+    async def _reconnect(self, exc: Exception) -> None:
+        """Fail what waits for an answer, then connect and subscribe every channel again."""
+        self._up.clear()
+        self._fail_sent(RedisConnectionError(f"connection for events lost: {exc}"))
+        failures = 0
+        while True:
+            delay = reconnect_delay_s(failures)
+            failures += 1
+            log.warning("pub/sub connection lost (%s); retrying in %.1fs", exc, delay)
+            await asyncio.sleep(delay)
+            try:
+                await self._conn.disconnect()
+                await self._conn.connect()  # type: ignore[no-untyped-call]
+                async with self._send_lock:
+                    # Writes that raced the loss went to the old connection.
+                    self._fail_sent(RedisConnectionError(f"connection for events lost: {exc}"))
+                    if self._queues:
+                        self._sent.append(_Sent(len(self._queues), None, wants_reply=False))
+                        await self._send([("SUBSCRIBE", *self._queues)])
+                    self._up.set()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as again:
+                exc = again
+                continue
+            break
+        for held in self._queues.values():
+            for queue in held:
+                queue.put_nowait(RECONNECTED)

@@ -9,6 +9,7 @@ import pytest
 
 from producer import AsyncProducer, QueueFull
 from producer.keys import QueueKeys
+from producer.protocol import DoneEvent, Timings, Usage
 
 
 @pytest.fixture
@@ -47,3 +48,24 @@ async def test_cancel_marks_only_live_jobs(producer: AsyncProducer) -> None:
     assert await producer.cancel("unknown") == ""
     await producer._redis.hset(QueueKeys("unit").job("live"), "state", "done")
     assert await producer.cancel("live") == "done"
+
+
+async def test_a_server_without_commands_on_a_subscribed_connection_gets_two_round_trips(
+    producer: AsyncProducer,
+) -> None:
+    # fakeredis runs only pub/sub commands on a subscribed connection: the router finds
+    # that at connect, waits for the confirmation, then runs the script on the pool.
+    handle = await producer.submit("hello", id="fallback")
+    assert not producer._router.commands_while_subscribed
+    assert producer._router.channel_count == 1
+    done = DoneEvent(
+        id="fallback",
+        seq=0,
+        finish_reason="length",
+        usage=Usage(prompt_tokens=1, completion_tokens=0),
+        timings=Timings(queued_s=0.0, first_token_s=None, total_s=0.0),
+    )
+    await producer._redis.publish(QueueKeys("unit").events("fallback"), done.model_dump_json())
+    events = [event async for event in handle.stream()]
+    assert events == [done]
+    assert producer._router.channel_count == 0
