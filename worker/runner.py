@@ -145,15 +145,15 @@ class Worker:
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
-                wanted = self.free_slots
-                entries = await self.broker.read(wanted, self.settings.read_block_ms)
-                if entries and len(entries) < wanted:
-                    # A blocked read returns on the first entry of a burst; take the rest
-                    # that has landed since, so the engine starts them in one pass. If
-                    # that fails, the entries already read still run; the next read
-                    # meets the error.
+                entries = await self.broker.read(self.free_slots, self.settings.read_block_ms)
+                room = self.free_slots - len(entries)
+                if entries and room > 0:
+                    # A blocked read returns on the first entry of a burst, and slots may
+                    # have been freed while it waited: take the rest that has landed
+                    # since, so the engine starts the burst in one pass. If that fails,
+                    # the entries already read still run; the next read meets the error.
                     with contextlib.suppress(RedisError):
-                        entries += await self.broker.read(wanted - len(entries), None)
+                        entries += await self.broker.read(room, None)
                 if entries:
                     await self.accept(entries)
                 failures = 0

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.integration
 class CountingEngine(EchoEngine):
     """Echo that records how many jobs each step ran."""
 
-    def __init__(self) -> None:
-        super().__init__(capacity=8, tokens_per_second=1000)
+    def __init__(self, capacity: int = 8) -> None:
+        super().__init__(capacity=capacity, tokens_per_second=1000)
         self.jobs_per_step: list[int] = []
 
     def step(self) -> list[EngineOutput]:
@@ -60,6 +60,28 @@ async def test_jobs_that_land_while_a_read_returns_start_in_the_same_engine_step
         )
     assert [r.state for r in results] == ["done"] * 6
     assert engine.jobs_per_step[0] == 6
+
+
+async def test_a_burst_meeting_a_read_sized_before_slots_freed_starts_in_one_engine_step(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    engine = CountingEngine(capacity=4)
+    # A blocked read asks for the slots free when it is sent, and waits long.
+    await start_worker(engine=engine, max_batch_size=4, read_block_ms=2000)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        # The short job frees one slot: the next read asks for 1 entry and blocks. The
+        # long ones free three more while it waits.
+        first = [await producer.submit("short", max_new_tokens=1)]
+        first += [await producer.submit(f"long {i}", max_new_tokens=100) for i in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(h.result() for h in first)), timeout=20)
+        steps_before = len(engine.jobs_per_step)
+        burst = await asyncio.gather(
+            *(producer.submit(f"burst {i}", max_new_tokens=3) for i in range(4))
+        )
+        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=20)
+    assert [r.state for r in results] == ["done"] * 4
+    # The read returned one entry; the worker took the other three at once.
+    assert next(n for n in engine.jobs_per_step[steps_before:] if n) == 4
 
 
 async def test_entries_read_before_a_failed_follow_up_read_still_run(
