@@ -90,9 +90,10 @@ class EventRouter:
         self._check_channel = check_channel
         self._check_key = check_key
         pool = client.connection_pool
-        # The client's own settings (address, TLS, credentials), speaking RESP3.
+        # The client's own settings (address, TLS, credentials), speaking RESP3, with
+        # replies as bytes whatever the client decodes.
         self._conn: AbstractConnection = pool.connection_class(
-            **{**pool.connection_kwargs, "protocol": 3}
+            **{**pool.connection_kwargs, "protocol": 3, "decode_responses": False}
         )
         self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}
         self._sent: deque[_Sent] = deque()
@@ -122,7 +123,14 @@ class EventRouter:
                 new.append(channel)
             held.append(queue)
         try:
-            await self._start()
+            try:
+                async with asyncio.timeout(REPLY_TIMEOUT_S):
+                    await self._start()
+            except TimeoutError:
+                raise RedisTimeoutError(
+                    f"Redis did not answer the event connection's checks within "
+                    f"{REPLY_TIMEOUT_S:g}s"
+                ) from None
             if self.commands_while_subscribed:
                 first: list[Command] = [("SUBSCRIBE", *new)] if new else []
                 reply = await self._call([*first, command], len(new), wants_reply=True)
@@ -183,7 +191,7 @@ class EventRouter:
                 return await reply
         except TimeoutError:
             raise RedisTimeoutError(
-                f"Redis did not answer within {REPLY_TIMEOUT_S:.0f}s; the connection "
+                f"Redis did not answer within {REPLY_TIMEOUT_S:g}s; the connection "
                 "for events is down or Redis is busy"
             ) from None
 
@@ -198,8 +206,12 @@ class EventRouter:
             return
         async with self._send_lock:
             if self._reader is None:
-                await self._conn.connect()  # type: ignore[no-untyped-call]
-                await self._check_server()
+                try:
+                    await self._conn.connect()  # type: ignore[no-untyped-call]
+                    await self._check_server()
+                except BaseException:
+                    await self._conn.disconnect()  # no answer left half read
+                    raise
                 self._reader = asyncio.create_task(self._read_loop(), name="exlq-event-router")
                 self._up.set()
 
@@ -223,7 +235,6 @@ class EventRouter:
             except ResponseError as exc:
                 answers.append(exc)
         if isinstance(answers[0], ResponseError):
-            await conn.disconnect()
             raise type(answers[0])(
                 f"{answers[0]} ({self._check_channel}): grant this Redis user the job "
                 "channels, as docs/SECURITY.md shows"
@@ -251,10 +262,14 @@ class EventRouter:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 await self._reconnect(exc)
                 continue
-            if _is_push(response):
-                self._push(response)
-            elif response is not None:  # None: a push redis-py handled (maintenance)
-                self._reply(response)
+            try:
+                if _is_push(response):
+                    self._push(response)
+                elif response is not None:  # None: a push redis-py handled (maintenance)
+                    self._reply(response)
+            except Exception as exc:  # what arrived makes no sense here: start afresh
+                log.exception("unexpected answer on the event connection: %r", response)
+                await self._reconnect(exc)
 
     def _push(self, push: list[bytes]) -> None:
         kind, raw_channel, data = push

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import AsyncProducer
+from producer import AsyncProducer, subscriber
 from producer.keys import QueueKeys
 from producer.subscriber import EventRouter
 
@@ -67,6 +68,22 @@ async def test_replies_meet_their_writes_when_a_caller_gives_up_waiting(
         assert router.channel_count == 1
         await redis_client.publish("ch-next", "hello")
         assert await asyncio.wait_for(queues[0].get(), 5) == b"hello"
+    finally:
+        await router.close()
+
+
+async def test_a_write_not_answered_in_time_raises_and_the_next_gets_its_own_reply(
+    redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(subscriber, "REPLY_TIMEOUT_S", 0.1)
+    router = EventRouter(redis_client, "exlq:out:{check}", "exlq:{q}:job:check")
+    try:
+        with pytest.raises(RedisTimeoutError, match="did not answer within"):
+            await router.subscribe_then(["ch-slow"], ("EVAL", _SLOW_LUA, 0))
+        assert router.channel_count == 0
+        monkeypatch.setattr(subscriber, "REPLY_TIMEOUT_S", 5.0)  # Redis ends the script
+        _, reply = await router.subscribe_then(["ch-next"], ("ECHO", "next"))
+        assert reply == b"next"
     finally:
         await router.close()
 
