@@ -6,11 +6,11 @@ the queue over tens of milliseconds, so a worker starts the first job alone. Bat
 burst is one write on the producer's event connection: one SUBSCRIBE for all its channels,
 then one script that enqueues every job of the batch. Redis runs the script after the
 SUBSCRIBE, so no event is missed, and the whole submit is one round trip. The entries land
-in the stream together, so a worker's read takes them in one
-piece and its engine prefills them in one pass. Each job still gets its own outcome; one
-that fails inside the script (say a key of the wrong type at its id) fails alone. A lone
-submit goes out on the next pass of the loop, as it did before: nothing waits for a batch
-to fill. A Redis that lost the script (a restart, SCRIPT FLUSH) gets it again.
+in the stream together, so a worker's read takes them in one piece and its engine
+prefills them in one pass. Each job still gets its own outcome; one that fails inside the
+script (say a key of the wrong type at its id) fails alone. A lone submit goes out on the
+next pass of the loop, as it did before: nothing waits for a batch to fill. A Redis that
+lost the script (a restart, SCRIPT FLUSH) gets it again.
 """
 
 from __future__ import annotations
@@ -120,7 +120,6 @@ class SubmitBatcher:
             await self._send(batch[start : start + MAX_BATCH])
 
     async def _send(self, batch: list[_Pending]) -> None:
-        subscriptions: list[tuple[str, asyncio.Queue[bytes]]] = []
         try:
             channels = [self._keys.events(p.job_id) for p in batch]
             keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]
