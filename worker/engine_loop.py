@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from producer.protocol import GenerationRequest, InvalidRequest
-from worker.engines.base import CacheUsage, Engine, EngineDead, EngineOutput, JobErrored
+from worker.engines.base import (
+    CacheUsage,
+    Engine,
+    EngineDead,
+    EngineOutput,
+    EngineSetup,
+    JobErrored,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,7 @@ class EngineRunner(Protocol):
 
     name: str
     capacity: int
-    attention: str
+    setup: EngineSetup
 
     def start(self, report: ReportSink) -> None: ...
 
@@ -79,7 +86,7 @@ class EngineLoop:
         self.engine = engine
         self.name = engine.name
         self.capacity = engine.capacity
-        self.attention = engine.attention
+        self.setup = engine.setup
         self._report: ReportSink = _no_sink
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)

@@ -15,6 +15,7 @@ from worker.engine_loop import EngineLoop, ReportSink, StepReport
 from worker.engines.base import (
     CacheUsage,
     EngineOutput,
+    EngineSetup,
     EngineUnavailable,
     JobEnded,
     JobErrored,
@@ -34,7 +35,7 @@ class EngineProcess:
         self.settings = settings
         self.name: str = settings.engine
         self.capacity = 0
-        self.attention = "none"
+        self.setup = EngineSetup()
         context = multiprocessing.get_context("spawn")
         # Pipe(duplex=False) returns (reader, writer).
         self._child_commands, self._commands = context.Pipe(duplex=False)
@@ -67,7 +68,7 @@ class EngineProcess:
         if kind != "ready":
             self.close()
             raise EngineUnavailable(str(payload))
-        self.name, self.capacity, self.attention = payload
+        self.name, self.capacity, self.setup = payload
 
     @property
     def pid(self) -> int | None:
@@ -144,7 +145,7 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
         log.exception("engine failed to load")
         reports.send(("unavailable", f"the engine failed to load: {type(exc).__name__}: {exc}"))
         return
-    reports.send(("ready", (engine.name, engine.capacity, engine.attention)))
+    reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
     loop = EngineLoop(engine)
     send_lock = threading.Lock()
 

@@ -105,7 +105,7 @@ async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Br
         package_version(),
         engine.name,
         settings.model.name if settings.model else "",
-        engine.attention,
+        engine.setup,
     )
     worker = Worker(settings, engine, broker, metrics)
     try:

@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from worker.engines.base import EngineSetup
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2)
 _WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -68,7 +70,16 @@ class Metrics:
         self._info = Gauge(
             "exlq_worker_info",
             "Worker build and configuration.",
-            [*q, "version", "engine", "model", "attention"],
+            [
+                *q,
+                "version",
+                "engine",
+                "model",
+                "attention",
+                "decode_graphs",
+                "gpu_sampling",
+                "prefill_batch_tokens",
+            ],
             registry=r,
         )
         self._queue = queue
@@ -94,8 +105,17 @@ class Metrics:
         ):
             collector.labels(queue)
 
-    def info(self, version: str, engine: str, model: str, attention: str) -> None:
-        self._info.labels(self._queue, version, engine, model, attention).set(1)
+    def info(self, version: str, engine: str, model: str, setup: EngineSetup) -> None:
+        self._info.labels(
+            self._queue,
+            version,
+            engine,
+            model,
+            setup.attention,
+            "on" if setup.decode_graphs else "off",
+            "on" if setup.gpu_sampling else "off",
+            str(setup.prefill_batch_tokens),
+        ).set(1)
 
     def job_received(self) -> None:
         self._received.labels(self._queue).inc()

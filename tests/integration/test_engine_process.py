@@ -12,6 +12,7 @@ from producer import AsyncProducer
 from producer.keys import QueueKeys
 from worker.broker import Broker
 from worker.engine_process import EngineProcess
+from worker.engines.base import EngineSetup
 from worker.metrics import Metrics
 from worker.runner import EXIT_ENGINE_DEAD, Worker
 from worker.settings import WorkerSettings
@@ -32,7 +33,7 @@ async def test_process_runner_serves_and_its_death_stops_the_worker(
     )
     engine = EngineProcess(settings)
     await asyncio.to_thread(engine.load)
-    assert (engine.name, engine.capacity) == ("echo", 4)
+    assert (engine.name, engine.capacity, engine.setup) == ("echo", 4, EngineSetup())
     broker = Broker.from_url(
         redis_url, QueueKeys(queue_name), "proc-worker", result_ttl_s=60, dead_max_len=100
     )

@@ -47,6 +47,17 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot start here (no GPU, missing package, bad model); the message says why."""
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """How a loaded engine runs, as loading turned out (a setting may have fallen back):
+    the log and ``exlq_worker_info`` say it."""
+
+    attention: str = "none"
+    decode_graphs: bool = False
+    gpu_sampling: bool = False
+    prefill_batch_tokens: int = 0  # 0: one job a prefill pass
+
+
 class EngineDead(RuntimeError):
     """The engine can serve nothing more; the process should exit so it is restarted."""
 
@@ -57,6 +68,15 @@ class Engine(ABC):
     name: str
     capacity: int
     attention: str = "none"
+    decode_graphs: bool = False
+    gpu_sampling: bool = False
+    prefill_batch_tokens: int = 0
+
+    @property
+    def setup(self) -> EngineSetup:
+        return EngineSetup(
+            self.attention, self.decode_graphs, self.gpu_sampling, self.prefill_batch_tokens
+        )
 
     @abstractmethod
     def add(self, job_id: str, request: GenerationRequest) -> None:

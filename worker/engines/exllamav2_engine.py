@@ -105,13 +105,16 @@ class ExLlamaV2Engine(Engine):
         if warmed.prefill_seconds is not None:
             log.info("prefill kernels compiled in %.1f s", warmed.prefill_seconds)
         self.graphs: DecodeGraphs | None = warmed.graphs
+        batcher = getattr(self.generator, "prefill_batcher", None)
+        self.decode_graphs = self.graphs is not None
+        self.gpu_sampling = bool(getattr(self.generator, "gpu_sampling", False))
+        self.prefill_batch_tokens = batcher.budget_tokens if batcher else 0
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)
         self.chat = ChatFormatter(
             settings.model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
         )
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
-        batcher = getattr(self.generator, "prefill_batcher", None)
         log.info(
             "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
             "sampling on the %s, prefill %s",
@@ -119,8 +122,8 @@ class ExLlamaV2Engine(Engine):
             cache_tokens,
             self.capacity,
             attention,
-            "on" if self.graphs else "off",
-            "GPU where it can" if getattr(self.generator, "gpu_sampling", False) else "CPU",
+            "on" if self.decode_graphs else "off",
+            "GPU where it can" if self.gpu_sampling else "CPU",
             (
                 f"batched up to {batcher.budget_tokens} tokens a pass"
                 f"{', rows padded' if batcher.padding else ', equal lengths only'}"
