@@ -136,3 +136,56 @@ async def test_cancel_frees_the_slot_on_the_gpu(
         result = await handle.result(timeout=60)
     assert result.finish_reason == "cancelled" and result.state == "cancelled"
     assert engine.active_jobs == 0
+
+
+def _run_on_engine(engine: Any, requests: dict[str, Any]) -> dict[str, list[int]]:
+    """The token ids each job made, straight on the engine (no queue)."""
+    from worker.engines.base import JobEnded, TokenChunk
+
+    tokens: dict[str, list[int]] = {job_id: [] for job_id in requests}
+    for job_id, request in requests.items():
+        engine.add(job_id, request)
+    ended: set[str] = set()
+    for _ in range(10_000):
+        if ended == set(requests):
+            break
+        for output in engine.step():
+            if isinstance(output, TokenChunk):
+                tokens[output.job_id] += output.token_ids
+            elif isinstance(output, JobEnded):
+                ended.add(output.job_id)
+            else:
+                raise AssertionError(f"job failed: {output}")
+    assert ended == set(requests) and engine.active_jobs == 0
+    return tokens
+
+
+def test_input_ids_run_as_the_same_prompt_and_unseeded_jobs_draw_apart(engine: Any) -> None:
+    from producer.protocol import GenerationRequest
+
+    ids = engine.tokenizer.encode("Once upon a time", add_bos=True)[0].tolist()
+    greedy = {"max_new_tokens": 12, "ignore_eos": True, "sampling": {"temperature": 0}}
+    by_text = GenerationRequest(prompt="Once upon a time", **greedy)
+    by_ids = GenerationRequest(input_ids=ids, **greedy)
+    made = _run_on_engine(engine, {"text": by_text}) | _run_on_engine(engine, {"ids": by_ids})
+    assert made["ids"] == made["text"] and len(made["ids"]) == 12
+
+    sampled = {"max_new_tokens": 16, "ignore_eos": True}
+    runs = [
+        _run_on_engine(
+            engine,
+            {
+                "seeded": GenerationRequest(
+                    input_ids=ids, sampling={"temperature": 1.0, "top_k": 0, "seed": 7}, **sampled
+                ),
+                "unseeded": GenerationRequest(
+                    input_ids=ids, sampling={"temperature": 1.0, "top_k": 0}, **sampled
+                ),
+            },
+        )
+        for _ in range(2)
+    ]
+    # A seed repeats itself; jobs without one draw their own (16 tokens at temperature 1
+    # over the whole vocabulary of random weights: equal by chance essentially never).
+    assert runs[0]["seeded"] == runs[1]["seeded"]
+    assert runs[0]["unseeded"] != runs[1]["unseeded"]
