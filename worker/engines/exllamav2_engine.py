@@ -118,8 +118,8 @@ class ExLlamaV2Engine(Engine):
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
         # Seeds for jobs that bring none. exllamav2 seeds such a job's random.Random() from
-        # os.urandom, about 15 us a job; an integer seed drawn here costs half that, and
-        # the draws are as unpredictable.
+        # os.urandom, about 15 us a job; an integer seed drawn here costs half that. Sampling
+        # needs independent streams, not secrets: a 64-bit seed per job gives them.
         self._seeds = random.Random()
         log.info(
             "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
