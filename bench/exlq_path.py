@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import thread_clock
 from bench.baselines import IDLE_BEFORE_RUN_S, _summarize, percentiles, random_prompt_ids
 from bench.placement import on_cpus
 from producer import AsyncProducer, DoneEvent, TokenEvent
@@ -217,14 +218,20 @@ class ExlqPath:
         worker = self._worker
         assert worker is not None, "use ExlqPath as a context manager"
         before: dict[str, float] = {}
+        # The engine's stepping thread runs in the engine process, or in the worker itself.
+        engine_pid = thread_clock.spawned_child(worker.process.pid) or worker.process.pid
+        pids = list({worker.process.pid, engine_pid})
+        threads_before: thread_clock.Snapshot = {}
 
         def read_step_metrics(into: dict[str, float] = before) -> None:
             for name in ("count", "sum"):
                 into[name] = worker.metric(f"exlq_engine_step_seconds_{name}")
+            threads_before.update(thread_clock.snapshot(pids))
 
         t0, t_end, times, completion, parts = asyncio.run(
             _run_point(self._redis.url, warm_up, prompts, max_new_tokens, read_step_metrics)
         )
+        spent = thread_clock.diff(threads_before, thread_clock.snapshot(pids))
         steps = worker.metric("exlq_engine_step_seconds_count") - before["count"]
         step_sum = worker.metric("exlq_engine_step_seconds_sum") - before["sum"]
         out = _summarize(
@@ -253,6 +260,7 @@ class ExlqPath:
                     for name, values in parts.items()
                 },
                 "note": "times are when the SDK received each token event (ITL per event)",
+                **thread_clock.stepper_figures(spent, int(steps), engine_pid),
             }
         )
         return out

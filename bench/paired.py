@@ -18,12 +18,13 @@ import argparse
 import datetime as dt
 import importlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import baselines
+from bench import baselines, thread_clock
 from bench.exlq_path import ExlqPath
 from bench.make_checkpoint import make_checkpoint
 from bench.placement import Placement, on_cpus, placement
@@ -67,9 +68,13 @@ class EngineAlone:
     ) -> dict[str, Any]:
         """Short jobs on the warm-up prompts first, as (b) runs them through its producer."""
         baselines.warm_up_jobs(self.generator, warm_up)
-        return baselines.run_dynamic(
+        before = thread_clock.snapshot([os.getpid()])
+        row = baselines.run_dynamic(
             self.generator, self.model_dir, prompts, max_new_tokens, 0, system="exlq-engine"
         )
+        spent = thread_clock.diff(before, thread_clock.snapshot([os.getpid()]))
+        row.update(thread_clock.stepper_figures(spent, row["steps"]))
+        return row
 
     def close(self) -> None:
         self.loaded.unload()
@@ -169,9 +174,28 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "engine_build_ms_median": statistics.median(
                     p["exlq-engine"].get("build_ms", 0.0) for p in whole
                 ),
+                # Where each system's stepping thread spent a step (bench.thread_clock).
+                "threads": {
+                    f"{system}_{key}": _median_of(whole, system, key)
+                    for system in ("exlq-engine", "exlq")
+                    for key in THREAD_FIGURES
+                },
             }
         )
     return out
+
+
+THREAD_FIGURES = (
+    "stepper_run_us_per_step",
+    "stepper_wait_us_per_step",
+    "stepper_preempted_per_step",
+    "others_run_us_per_step",
+)
+
+
+def _median_of(pairs: list[dict[str, dict[str, Any]]], system: str, key: str) -> float | None:
+    values = [p[system][key] for p in pairs if p[system].get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -196,7 +220,37 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{s['added_ttft_ms_median']:.1f} | "
             + (f"{s['step_ratio_median']:.3f} |" if s["step_ratio_median"] else "- |")
         )
+    if any(s.get("threads", {}).get("exlq_stepper_run_us_per_step") for s in summary):
+        lines += [
+            "",
+            "The stepping thread per step, paired medians (µs on a CPU / µs waiting for one / "
+            "preemptions), and the CPU time of every other thread of the system under test "
+            "(µs per step):",
+            "",
+            "| N | engine alone: run / wait / preempted | others | exlq: run / wait / "
+            "preempted | others (worker + engine process) |",
+            "|---|---|---|---|---|",
+        ]
+        for s in summary:
+            t = s.get("threads", {})
+            lines.append(
+                f"| {s['concurrency']} | {_thread_cell(t, 'exlq-engine')} | "
+                f"{_num(t.get('exlq-engine_others_run_us_per_step'))} | "
+                f"{_thread_cell(t, 'exlq')} | {_num(t.get('exlq_others_run_us_per_step'))} |"
+            )
     return "\n".join(lines)
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _thread_cell(threads: dict[str, float | None], system: str) -> str:
+    return (
+        f"{_num(threads.get(f'{system}_stepper_run_us_per_step'))} / "
+        f"{_num(threads.get(f'{system}_stepper_wait_us_per_step'))} / "
+        f"{_num(threads.get(f'{system}_stepper_preempted_per_step'), 2)}"
+    )
 
 
 def pool(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

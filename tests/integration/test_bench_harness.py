@@ -38,3 +38,7 @@ def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
         assert row["submit_ms_p50"] > 0 and row["queued_ms_p50"] >= 0
         # The worker's step metric moved: the run was read from /metrics.
         assert row["steps"] >= 12
+        # The engine process's stepping thread was found and its time per step counted.
+        assert row["stepper_run_us_per_step"] > 0
+        assert row["stepper_wait_us_per_step"] >= 0
+        assert row["others_run_us_per_step"] > 0  # the worker's event loop, at least

@@ -66,6 +66,45 @@ def test_ratios_are_taken_within_pairs_not_between_medians() -> None:
     }
     table = markdown([eight], meta)
     assert "| 8 | 3 | 800 | 800 | 0.990 (0.96-1.00) | 2 of 3 | 21.0 | 2.0 | 3.0 | 1.050 |" in table
+    assert "stepping thread" not in table  # runs without thread figures: no such table
+
+
+def test_the_stepping_threads_figures_are_paired_medians_in_a_table_of_their_own() -> None:
+    runs = []
+    for repeat, (alone_run, exlq_run, exlq_wait) in enumerate(
+        [(900.0, 1000.0, 10.0), (950.0, 1100.0, 90.0), (1000.0, 1050.0, 30.0)]
+    ):
+        alone = _run("exlq-engine", 1, repeat, 400.0, 10.0)
+        alone.update(
+            stepper_run_us_per_step=alone_run,
+            stepper_wait_us_per_step=1.0,
+            stepper_preempted_per_step=0.01,
+            others_run_us_per_step=5.0,
+        )
+        exlq = _run("exlq", 1, repeat, 380.0, 12.0)
+        exlq.update(
+            stepper_run_us_per_step=exlq_run,
+            stepper_wait_us_per_step=exlq_wait,
+            stepper_preempted_per_step=0.5,
+            others_run_us_per_step=300.0,
+        )
+        runs += [alone, exlq]
+    [one] = summarize(runs)
+    assert one["threads"]["exlq-engine_stepper_run_us_per_step"] == 950.0
+    assert one["threads"]["exlq_stepper_run_us_per_step"] == 1050.0
+    assert one["threads"]["exlq_stepper_wait_us_per_step"] == 30.0
+    meta = {
+        "gpu": "GPU",
+        "date": "2026-11-23",
+        "shape": "1b",
+        "prompt_tokens": 256,
+        "max_new_tokens": 128,
+        "cache_tokens": 65536,
+        "cpus": "all",
+        "command": "python -m bench.paired",
+    }
+    table = markdown([one], meta)
+    assert "| 1 | 950 / 1 / 0.01 | 5 | 1,050 / 30 / 0.50 | 300 |" in table
 
 
 def test_pooled_calls_keep_their_pairs_apart(tmp_path: Path) -> None:

@@ -1,0 +1,64 @@
+"""bench.thread_clock: per-thread CPU time, run-queue waits and preemptions from /proc."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from bench import thread_clock
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/PID/task (Linux)"
+)
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_the_busiest_thread_is_the_one_that_ran_and_its_time_is_counted() -> None:
+    idle = threading.Event()
+    sleeper = threading.Thread(target=idle.wait, name="sleeper")
+    sleeper.start()
+    try:
+        before = thread_clock.snapshot([os.getpid()])
+        _spin(0.2)
+        spent = thread_clock.diff(before, thread_clock.snapshot([os.getpid()]))
+    finally:
+        idle.set()
+        sleeper.join()
+    main = spent[(os.getpid(), threading.get_native_id())]
+    assert thread_clock.busiest(spent) == main
+    assert 0.2e9 <= main.run_ns < 1e9
+    assert main.wait_ns >= 0 and main.preempted >= 0
+    figures = thread_clock.stepper_figures(spent, steps=100)
+    assert figures["stepper_run_us_per_step"] == pytest.approx(main.run_ns / 100 / 1000)
+    # The sleeper and the rest together spent far less than the spinning thread.
+    assert figures["others_run_us_per_step"] < figures["stepper_run_us_per_step"] / 4
+
+
+def test_a_process_that_is_gone_or_no_steps_gives_nothing() -> None:
+    assert thread_clock.snapshot([2**22 + 12345]) == {}  # above Linux's largest pid
+    assert thread_clock.stepper_figures({}, steps=0) == {}
+    assert thread_clock.busiest({}).run_ns == 0
+
+
+def test_the_spawned_child_is_found_and_the_resource_tracker_is_not() -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    child = context.Process(target=stop.wait)
+    child.start()
+    try:
+        # Event() started a resource tracker too: a child of this process as well.
+        assert thread_clock.spawned_child(os.getpid()) == child.pid
+    finally:
+        stop.set()
+        child.join()
