@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 
 from producer.keys import QueueKeys
 from worker.broker import Broker
+from worker.cpu_placement import EngineCpus, engine_cpus, move_this_process
 from worker.engine_loop import EngineLoop, EngineRunner
 from worker.engine_process import EngineProcess
 from worker.engines import EngineUnavailable, build_engine
@@ -69,9 +70,16 @@ async def serve(settings: WorkerSettings) -> int:
     try:
         await _check_redis(broker, settings.redis_url)
         try:
-            engine = await asyncio.to_thread(load_engine, settings)
+            cpus = engine_cpus(settings.engine_cpu)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            engine = await asyncio.to_thread(load_engine, settings, cpus)
         except EngineUnavailable as exc:
             raise StartupError(str(exc)) from None
+        if cpus is not None:  # the engine process, if any, has moved its own threads
+            move_this_process(cpus.rest)
+            log.info("%s", cpus.describe())
         try:
             return await _serve_with(settings, engine, broker)
         finally:
@@ -80,13 +88,15 @@ async def serve(settings: WorkerSettings) -> int:
         await broker.close()
 
 
-def load_engine(settings: WorkerSettings) -> EngineRunner:
-    """The engine, loaded, on the runner the settings ask for."""
+def load_engine(settings: WorkerSettings, cpus: EngineCpus | None = None) -> EngineRunner:
+    """The engine, loaded, on the runner the settings ask for; its stepping thread on
+    ``cpus.stepper`` once it starts, if given."""
+    stepper = cpus.stepper if cpus is not None else None
     if settings.engine_runner == "process":
-        process = EngineProcess(settings)
+        process = EngineProcess(settings, cpus)
         process.load()
         return process
-    return EngineLoop(build_engine(settings))
+    return EngineLoop(build_engine(settings), stepper)
 
 
 async def _check_redis(broker: Broker, url: str) -> None:
