@@ -177,7 +177,6 @@ class ExlqPath:
         prefill_batch_tokens: int = 4096,
         worker_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
-        engine_cpu: str = "auto",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.options = {
@@ -188,7 +187,6 @@ class ExlqPath:
             "--sampling-threads": str(sampling_threads),
             "--engine-runner": engine_runner,
             "--prefill-batch-tokens": str(prefill_batch_tokens),
-            "--engine-cpu": engine_cpu,
         }
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus

@@ -97,7 +97,6 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
             sampling_threads=args.sampling_threads,
             prefill_batch_tokens=args.prefill_batch_tokens,
             worker_cpus=place.server,
-            engine_cpu=args.engine_cpu,
         ) as path:
             for n in args.concurrency:
                 for repeat in range(args.repeats):
@@ -306,11 +305,6 @@ def main() -> None:
         default=WorkerSettings.model_fields["prefill_batch_tokens"].default,
     )
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
-    ap.add_argument(
-        "--engine-cpu",
-        default="auto",
-        help="the worker's --engine-cpu: auto, off or a CPU number",
-    )
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
@@ -329,10 +323,8 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "cache_tokens": args.cache_tokens,
         "cpus": place.describe(),
-        "engine_cpu": args.engine_cpu,
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
-        f"{','.join(map(str, args.concurrency))} --repeats {args.repeats} "
-        f"--engine-cpu {args.engine_cpu}",
+        f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}",
     }
     started = time.monotonic()
     runs = measure(args, place)

@@ -48,13 +48,6 @@ PrefillBatchTokens = Annotated[
         help="prompt tokens one batched prefill pass takes (0: one pass per job)",
     ),
 ]
-EngineCpu = Annotated[
-    str | None,
-    typer.Option(
-        "--engine-cpu",
-        help="a CPU of its own for the engine's stepping thread: auto, off or a CPU number",
-    ),
-]
 Runner = Annotated[str | None, typer.Option("--engine-runner", help="process (default) or thread")]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
 
@@ -86,7 +79,6 @@ def worker(
     grace_seconds: Grace = None,
     echo_tokens_per_second: EchoRate = None,
     engine_runner: Runner = None,
-    engine_cpu: EngineCpu = None,
     sampling_threads: SamplingThreads = None,
     cuda_graphs: CudaGraphs = None,
     gpu_sampling: GpuSampling = None,
@@ -109,7 +101,6 @@ def worker(
         grace_seconds=grace_seconds,
         echo_tokens_per_second=echo_tokens_per_second,
         engine_runner=engine_runner,
-        engine_cpu=engine_cpu,
         sampling_threads=sampling_threads,
         cuda_graphs=cuda_graphs,
         gpu_sampling=gpu_sampling,

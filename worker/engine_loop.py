@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from producer.protocol import GenerationRequest, InvalidRequest
-from worker.cpu_placement import pin_calling_thread
 from worker.engines.base import (
     CacheUsage,
     Engine,
@@ -83,9 +82,8 @@ class EngineLoop:
     """Runs an engine on a thread of its own. Commands come in through a queue; each pass's
     outputs go out through ``report``, which must be thread-safe."""
 
-    def __init__(self, engine: Engine, stepper_cpu: int | None = None) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._stepper_cpu = stepper_cpu
         self.name = engine.name
         self.capacity = engine.capacity
         self.setup = engine.setup
@@ -112,11 +110,6 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        if self._stepper_cpu is not None:
-            try:
-                pin_calling_thread(self._stepper_cpu)
-            except OSError as exc:
-                log.warning("could not pin the engine thread to CPU %d: %s", self._stepper_cpu, exc)
         try:
             while True:
                 outputs: list[EngineOutput] = []

@@ -11,7 +11,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from producer.protocol import GenerationRequest
-from worker.cpu_placement import EngineCpus, move_this_process
 from worker.engine_loop import EngineLoop, ReportSink, StepReport
 from worker.engines.base import (
     CacheUsage,
@@ -32,7 +31,7 @@ LOAD_TIMEOUT_S = 1800.0
 class EngineProcess:
     """Loads the engine in a spawned child (CUDA needs spawn, not fork) and relays to it."""
 
-    def __init__(self, settings: WorkerSettings, cpus: EngineCpus | None = None) -> None:
+    def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.name: str = settings.engine
         self.capacity = 0
@@ -43,7 +42,7 @@ class EngineProcess:
         self._reports, self._child_reports = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_child_main,
-            args=(settings, self._child_commands, self._child_reports, cpus),
+            args=(settings, self._child_commands, self._child_reports),
             name="exlq-engine",
             daemon=True,
         )
@@ -131,12 +130,7 @@ class EngineProcess:
         self._reports.close()
 
 
-def _child_main(
-    settings: WorkerSettings,
-    commands: Connection,
-    reports: Connection,
-    cpus: EngineCpus | None = None,
-) -> None:
+def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -152,9 +146,7 @@ def _child_main(
         reports.send(("unavailable", f"the engine failed to load: {type(exc).__name__}: {exc}"))
         return
     reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
-    if cpus is not None:  # this thread, CUDA's and the loaded engine's: off the stepper's CPU
-        move_this_process(cpus.rest)
-    loop = EngineLoop(engine, cpus.stepper if cpus is not None else None)
+    loop = EngineLoop(engine)
     send_lock = threading.Lock()
 
     # On the engine thread, between steps. A sender thread of its own was measured slower

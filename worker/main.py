@@ -12,7 +12,6 @@ from redis.exceptions import RedisError
 
 from producer.keys import QueueKeys
 from worker.broker import Broker
-from worker.cpu_placement import EngineCpus, engine_cpus, move_this_process
 from worker.engine_loop import EngineLoop, EngineRunner
 from worker.engine_process import EngineProcess
 from worker.engines import EngineUnavailable, build_engine
@@ -70,16 +69,9 @@ async def serve(settings: WorkerSettings) -> int:
     try:
         await _check_redis(broker, settings.redis_url)
         try:
-            cpus = engine_cpus(settings.engine_cpu)
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        try:
-            engine = await asyncio.to_thread(load_engine, settings, cpus)
+            engine = await asyncio.to_thread(load_engine, settings)
         except EngineUnavailable as exc:
             raise StartupError(str(exc)) from None
-        if cpus is not None:  # the engine process, if any, has moved its own threads
-            move_this_process(cpus.rest)
-            log.info("%s", cpus.describe())
         try:
             return await _serve_with(settings, engine, broker)
         finally:
@@ -88,15 +80,13 @@ async def serve(settings: WorkerSettings) -> int:
         await broker.close()
 
 
-def load_engine(settings: WorkerSettings, cpus: EngineCpus | None = None) -> EngineRunner:
-    """The engine, loaded, on the runner the settings ask for; its stepping thread on
-    ``cpus.stepper`` once it starts, if given."""
-    stepper = cpus.stepper if cpus is not None else None
+def load_engine(settings: WorkerSettings) -> EngineRunner:
+    """The engine, loaded, on the runner the settings ask for."""
     if settings.engine_runner == "process":
-        process = EngineProcess(settings, cpus)
+        process = EngineProcess(settings)
         process.load()
         return process
-    return EngineLoop(build_engine(settings), stepper)
+    return EngineLoop(build_engine(settings))
 
 
 async def _check_redis(broker: Broker, url: str) -> None:

@@ -54,12 +54,6 @@ class WorkerSettings(BaseSettings):
         description="prompt tokens (padding included) one batched prefill pass takes; 0: one "
         "pass per job, as exllamav2 does",
     )
-    engine_cpu: str = Field(
-        "auto",
-        pattern=r"^(auto|off|[0-9]+)$",
-        description="a CPU of its own for the engine's stepping thread: auto (when the worker "
-        "was given a set of CPUs smaller than the machine's), off, or a CPU number",
-    )
     sampling_threads: int = Field(
         1,
         ge=1,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from bench.thread_clock import spawned_child
 from producer import AsyncProducer, DoneEvent, TokenEvent
 from tests.conftest import ROOT, worker_process
 from worker.embedded_redis import free_port
@@ -208,54 +205,3 @@ def test_up_starts_its_own_redis_and_a_worker(tmp_path: Any) -> None:
             up.communicate()
     assert up.returncode == 0
     assert (tmp_path / "redis" / "appendonly.aof").exists() or any((tmp_path / "redis").iterdir())
-
-
-def _threads_cpus(pid: int) -> dict[int, set[int]]:
-    """Each thread of the process and the CPUs it may run on."""
-    out: dict[int, set[int]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            out[int(tid)] = os.sched_getaffinity(int(tid))
-    return out
-
-
-@pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="needs Linux and two CPUs to share out",
-)
-async def test_engine_cpu_gives_the_stepping_thread_a_cpu_of_its_own(
-    redis_url: str, queue_name: str
-) -> None:
-    allowed = os.sched_getaffinity(0)
-    stepper = max(allowed)
-    process = worker_process(
-        redis_url, queue_name, "--engine", "echo", "--engine-cpu", str(stepper)
-    )
-    try:
-        async with AsyncProducer(redis_url, queue=queue_name) as producer:
-            handle = await producer.submit("pinned", max_new_tokens=2)
-            assert (await handle.result(timeout=30)).text == " pinned pinned"
-        engine_pid = spawned_child(process.pid)
-        assert engine_pid is not None
-        worker_threads = _threads_cpus(process.pid)
-        engine_threads = _threads_cpus(engine_pid)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        output, _ = await asyncio.to_thread(process.communicate, None, 30)
-    # One thread of the engine process, the stepping thread, runs on that CPU alone; every
-    # other thread of the worker and of its engine process, on the rest.
-    rest = allowed - {stepper}
-    assert sorted(map(sorted, engine_threads.values())).count([stepper]) == 1
-    assert all(cpus == rest for cpus in worker_threads.values())
-    assert sum(cpus == rest for cpus in engine_threads.values()) == len(engine_threads) - 1
-    assert f"engine stepping thread on CPU {stepper}" in output
-
-
-def test_an_engine_cpu_the_worker_may_not_use_is_refused_at_start(
-    redis_url: str, queue_name: str
-) -> None:
-    process = worker_process(redis_url, queue_name, "--engine", "echo", "--engine-cpu", "4095")
-    output, _ = process.communicate(timeout=30)
-    assert process.returncode == 2, output
-    assert "--engine-cpu 4095: this process may use CPUs" in output
-    assert "Traceback" not in output
