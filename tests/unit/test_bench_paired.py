@@ -10,6 +10,17 @@ import pytest
 
 from bench.paired import markdown, pool, summarize
 
+META = {
+    "gpu": "GPU",
+    "date": "2026-11-23",
+    "shape": "1b",
+    "prompt_tokens": 256,
+    "max_new_tokens": 128,
+    "cache_tokens": 65536,
+    "cpus": "all",
+    "command": "python -m bench.paired",
+}
+
 
 def _run(
     system: str,
@@ -54,17 +65,7 @@ def test_ratios_are_taken_within_pairs_not_between_medians() -> None:
     assert eight["added_ttft_ms_median"] == 3.0
     assert eight["engine_build_ms_median"] == 2.0  # inside the engine's TTFT
     assert eight["step_ratio_median"] == pytest.approx(1.05)  # 1.10, 1.05 and 1.00
-    meta = {
-        "gpu": "GPU",
-        "date": "2026-11-23",
-        "shape": "1b",
-        "prompt_tokens": 256,
-        "max_new_tokens": 128,
-        "cache_tokens": 65536,
-        "cpus": "all",
-        "command": "python -m bench.paired",
-    }
-    table = markdown([eight], meta)
+    table = markdown([eight], META)
     assert "| 8 | 3 | 800 | 800 | 0.990 (0.96-1.00) | 2 of 3 | 21.0 | 2.0 | 3.0 | 1.050 |" in table
     assert "stepping thread" not in table  # runs without thread figures: no such table
 
@@ -93,17 +94,7 @@ def test_the_stepping_threads_figures_are_paired_medians_in_a_table_of_their_own
     assert one["threads"]["exlq-engine_stepper_run_us_per_step"] == 950.0
     assert one["threads"]["exlq_stepper_run_us_per_step"] == 1050.0
     assert one["threads"]["exlq_stepper_wait_us_per_step"] == 30.0
-    meta = {
-        "gpu": "GPU",
-        "date": "2026-11-23",
-        "shape": "1b",
-        "prompt_tokens": 256,
-        "max_new_tokens": 128,
-        "cache_tokens": 65536,
-        "cpus": "all",
-        "command": "python -m bench.paired",
-    }
-    table = markdown([one], meta)
+    table = markdown([one], META)
     assert "| 1 | 950 / 1 / 0.01 | 5 | 1,050 / 30 / 0.50 | 300 |" in table
 
 
