@@ -21,14 +21,12 @@ Snapshot = dict[tuple[int, int], "ThreadTimes"]
 
 @dataclass(frozen=True)
 class ThreadTimes:
-    name: str
     run_ns: int  # on a CPU
     wait_ns: int  # runnable, waiting for a CPU
     preempted: int  # nonvoluntary context switches
 
     def minus(self, earlier: ThreadTimes) -> ThreadTimes:
         return ThreadTimes(
-            self.name,
             self.run_ns - earlier.run_ns,
             self.wait_ns - earlier.wait_ns,
             self.preempted - earlier.preempted,
@@ -84,7 +82,7 @@ def busiest(spent: dict[tuple[int, int], ThreadTimes], pid: int | None = None) -
     """The thread (of ``pid``, if given) with the most time on a CPU: a stepping thread."""
     pool = [t for (p, _), t in spent.items() if pid is None or p == pid]
     if not pool:
-        return ThreadTimes("-", 0, 0, 0)
+        return ThreadTimes(0, 0, 0)
     return max(pool, key=lambda t: t.run_ns)
 
 
@@ -96,14 +94,13 @@ def _read(task: Path) -> ThreadTimes | None:
     try:
         run_ns, wait_ns, _ = (int(x) for x in (task / "schedstat").read_text().split())
         status = (task / "status").read_text()
-        name = (task / "comm").read_text().strip()
     except (OSError, ValueError):
         return None
     preempted = 0
     for line in status.splitlines():
         if line.startswith("nonvoluntary_ctxt_switches:"):
             preempted = int(line.split()[1])
-    return ThreadTimes(name, run_ns, wait_ns, preempted)
+    return ThreadTimes(run_ns, wait_ns, preempted)
 
 
 def stepper_figures(
