@@ -176,6 +176,7 @@ class ExlqPath:
         engine_runner: str = "process",
         prefill_batch_tokens: int = 4096,
         worker_cpus: frozenset[int] | None = None,
+        redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -190,12 +191,14 @@ class ExlqPath:
         }
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus
+        self.redis_cpus = redis_cpus
         self.load_s = 0.0
         self._redis = RedisServer()
         self._worker: WorkerProcess | None = None
 
     def __enter__(self) -> ExlqPath:
-        self._redis.__enter__()
+        with on_cpus(self.redis_cpus):  # Redis inherits this thread's CPUs
+            self._redis.__enter__()
         try:
             self._worker = WorkerProcess(
                 self.model_dir, self._redis.url, self.options, self.worker_cpus
@@ -205,6 +208,14 @@ class ExlqPath:
             self.__exit__(None, None, None)
             raise
         return self
+
+    @property
+    def redis_pid(self) -> int | None:
+        return self._redis.pid
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._worker.process.pid if self._worker is not None else None
 
     def __exit__(self, *exc: object) -> None:
         if self._worker is not None:

@@ -97,6 +97,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
             sampling_threads=args.sampling_threads,
             prefill_batch_tokens=args.prefill_batch_tokens,
             worker_cpus=place.server,
+            redis_cpus=place.load,
         ) as path:
             for n in args.concurrency:
                 for repeat in range(args.repeats):

@@ -69,6 +69,11 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (for placing it on CPUs, or profiling)."""
+        return self._process.pid if self._process is not None else None
+
     def command(self) -> list[str]:
         args = [
             self.binary,

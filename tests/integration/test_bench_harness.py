@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,17 @@ def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 32000}))
-    with ExlqPath(model, max_batch_size=8, engine="echo") as path:
+    # Placed as bench.paired places them: the worker on the server's CPUs, Redis beside the
+    # clients on the load's (one CPU each here; the same one on a one-CPU machine).
+    cpus = sorted(os.sched_getaffinity(0))
+    server, load = frozenset(cpus[:1]), frozenset(cpus[-1:])
+    with ExlqPath(
+        model, max_batch_size=8, engine="echo", worker_cpus=server, redis_cpus=load
+    ) as path:
+        assert path.redis_pid is not None and path.worker_pid is not None
+        assert os.sched_getaffinity(path.redis_pid) == load
+        assert os.sched_getaffinity(path.worker_pid) == server
+        assert os.sched_getaffinity(0) == set(cpus)  # this thread's CPUs given back
         rows = [
             path.run(
                 random_prompt_ids(model, n, 16, seed=1),
