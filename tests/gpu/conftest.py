@@ -35,16 +35,22 @@ def model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
-    """make_generator(exlq=False, max_batch=8, prefill_batch_tokens=0): a paged generator
-    on exlq's attention over a fresh load of the test model (exlq=True: exlq's subclass with
-    GPU sampling; prefill_batch_tokens > 0: exlq's subclass with batched prefill); unloaded
-    after the test. The model is `generator.model`."""
+    """make_generator(exlq=False, max_batch=8, prefill_batch_tokens=0, admit_prompt_tokens=0):
+    a paged generator on exlq's attention over a fresh load of the test model (exlq=True:
+    exlq's subclass with GPU sampling; prefill_batch_tokens > 0: with batched prefill;
+    admit_prompt_tokens > 0: with that budget of prompt tokens for the jobs a step starts);
+    unloaded after the test. The model is `generator.model`."""
     from worker.engines.exllamav2_attention import install_attention
     from worker.engines.exllamav2_load import LoadedGenerator, load_generator
 
     loads: list[LoadedGenerator] = []
 
-    def make(exlq: bool = False, max_batch: int = 8, prefill_batch_tokens: int = 0) -> Any:
+    def make(
+        exlq: bool = False,
+        max_batch: int = 8,
+        prefill_batch_tokens: int = 0,
+        admit_prompt_tokens: int = 0,
+    ) -> Any:
         install_attention("exlq")
         loaded = load_generator(
             model_dir,
@@ -52,6 +58,7 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
             cache_tokens=8192,
             gpu_sampling=exlq,
             prefill_batch_tokens=prefill_batch_tokens,
+            admit_prompt_tokens=admit_prompt_tokens,
         )
         loads.append(loaded)
         return loaded.generator

@@ -39,8 +39,11 @@ def _prompts(vocab: int) -> list[list[int]]:
     ]
 
 
-def _first_logits(generator: Any, prompts: list[list[int]]) -> list[Any]:
-    """Logits each job samples its first token from, all jobs admitted at once."""
+def _first_logits(
+    generator: Any, prompts: list[list[int]], started: list[list[int]] | None = None
+) -> list[Any]:
+    """Logits each job samples its first token from, all jobs enqueued at once. ``started``
+    gets, for each iterate() that started jobs, their indices."""
     import torch
     from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
@@ -59,7 +62,11 @@ def _first_logits(generator: Any, prompts: list[list[int]]) -> list[Any]:
     )
     first: dict[int, Any] = {}
     while generator.num_remaining_jobs():
-        for result in generator.iterate():
+        results = generator.iterate()
+        now = [r["identifier"] for r in results if r.get("stage") == "started"]
+        if started is not None and now:
+            started.append(now)
+        for result in results:
             if result.get("stage") == "streaming" and "logits" in result:
                 first.setdefault(result["identifier"], result["logits"][0, 0].float().cpu())
     return [first[i] for i in range(len(prompts))]
@@ -86,6 +93,29 @@ def test_same_logits_as_one_job_at_a_time_in_fewer_passes(make_generator: Any) -
     assert batcher.passes < batcher.chunks
 
 
+def test_a_prompt_budget_starts_a_burst_in_slices_with_the_same_logits(
+    make_generator: Any,
+) -> None:
+    stock = make_generator(exlq=False, max_batch=16)
+    prompts = _prompts(stock.tokenizer.get_vocab_size())
+    want = _first_logits(stock, prompts)
+    paced = make_generator(
+        exlq=False, max_batch=16, prefill_batch_tokens=4096, admit_prompt_tokens=1024
+    )
+    started: list[list[int]] = []
+    got = _first_logits(paced, prompts, started)
+    worst = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    top1 = sum(int(g.argmax() == w.argmax()) for g, w in zip(got, want, strict=True))
+    print(f"\nstarted per step: {started}; max abs diff {worst:.4f}, top-1 {top1}/{len(prompts)}")
+    assert worst < 0.05
+    assert top1 >= len(prompts) - 1
+    # In order, each step within the budget, or one job alone (the 1000 and 2600 prompts).
+    assert [i for step in started for i in step] == list(range(len(prompts)))
+    for step in started:
+        assert len(step) == 1 or sum(len(prompts[i]) for i in step) <= 1024
+    assert len(started) >= 4
+
+
 def test_equal_lengths_share_one_pass(make_generator: Any) -> None:
     generator = make_generator(exlq=False, max_batch=16, prefill_batch_tokens=4096)
     rng = random.Random(3)
@@ -110,6 +140,11 @@ def test_exllamav2_still_prefills_the_way_the_batcher_relies_on(cuda: None) -> N
     assert not before.endswith("="), "prefill now uses what forward_chunk returns"
     assert set(re.findall(r"(\w+)\s*=", arguments)) == PREFILL_KWARGS
     assert "copy_states(" in source  # the partial-page match, which flushes recorded passes
+    # ExlqDynamicGenerator.iterate_start_jobs offers exllamav2's a slice of pending_jobs:
+    # exllamav2 must read the waiting jobs from that list and take the ones it starts out.
+    start = inspect.getsource(ExLlamaV2DynamicGenerator.iterate_start_jobs)
+    assert "for job in self.pending_jobs.copy():" in start
+    assert "self.pending_jobs.remove(job)" in start
     iterate = inspect.getsource(ExLlamaV2DynamicGenerator.iterate)
     steps = [
         "self.iterate_start_jobs(results)",

@@ -1,8 +1,10 @@
-"""Which prompt chunks share a batched prefill pass."""
+"""Which jobs start in a step, and which prompt chunks share a batched prefill pass."""
 
 from __future__ import annotations
 
-from worker.engines.prefill_plan import Chunk, group_chunks
+from collections.abc import Iterator
+
+from worker.engines.prefill_plan import Chunk, group_chunks, jobs_to_start
 
 
 def _lengths(chunks: list[Chunk], groups: list[list[int]]) -> list[list[int]]:
@@ -42,3 +44,30 @@ def test_a_chunk_over_the_budget_runs_alone() -> None:
 
 def test_nothing_to_group() -> None:
     assert group_chunks([], budget_tokens=2048, max_seq_len=2048, padding=True) == []
+
+
+def test_a_burst_starts_in_slices_of_the_prompt_token_budget() -> None:
+    assert jobs_to_start([256] * 128, budget_tokens=8192) == 32
+    assert jobs_to_start([256] * 128, budget_tokens=8191) == 31
+    assert jobs_to_start([1000, 3000, 5000, 10], budget_tokens=4096) == 2
+
+
+def test_without_a_budget_every_waiting_job_starts() -> None:
+    assert jobs_to_start([256] * 128, budget_tokens=0) == 128
+    assert jobs_to_start([], budget_tokens=0) == 0
+
+
+def test_a_prompt_over_the_budget_starts_alone_and_never_waits_forever() -> None:
+    assert jobs_to_start([20_000, 10], budget_tokens=4096) == 1
+
+
+def test_the_queue_is_read_only_as_far_as_the_slice() -> None:
+    read: list[int] = []
+
+    def lengths() -> Iterator[int]:
+        for i in range(1000):
+            read.append(i)
+            yield 100
+
+    assert jobs_to_start(lengths(), budget_tokens=500) == 5
+    assert len(read) == 6  # the sixth is the one that did not fit

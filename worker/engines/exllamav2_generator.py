@@ -15,6 +15,10 @@ change.
 
 With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
 exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job.
+
+With admit_prompt_tokens > 0 a step starts only as many waiting jobs as hold that many
+prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts every one that
+fits: a burst starts in slices, and its first jobs decode while the rest prefill.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from worker.engines.exllamav2_attention import (
     padding_supported,
 )
 from worker.engines.exllamav2_prefill import PrefillBatcher
+from worker.engines.prefill_plan import jobs_to_start
 from worker.kernels.paged_attention import TILE_CLASS_ROWS
 from worker.kernels.sampling import sample_rows
 
@@ -51,23 +56,28 @@ def size_model_config(config: Any, max_batch: int, prefill_batch_tokens: int) ->
     config.max_batch_size = max(config.max_batch_size, math.ceil(rows / config.max_input_len))
 
 
-def make_dynamic_generator(*, gpu_sampling: bool, prefill_batch_tokens: int, **kwargs: Any) -> Any:
+def make_dynamic_generator(
+    *, gpu_sampling: bool, prefill_batch_tokens: int, admit_prompt_tokens: int = 0, **kwargs: Any
+) -> Any:
     """ExlqDynamicGenerator where one of its levers is asked for and the installed exllamav2
     is the version it is written for; exllamav2's own generator otherwise. kwargs go to the
     generator (model, cache, tokenizer, max_batch_size, ...)."""
-    if not gpu_sampling and prefill_batch_tokens <= 0:
+    if not gpu_sampling and prefill_batch_tokens <= 0 and admit_prompt_tokens <= 0:
         return ExLlamaV2DynamicGenerator(**kwargs)
     installed = installed_exllamav2()
     if installed != PINNED_EXLLAMAV2:
         log.warning(
-            "GPU sampling and batched prefill off: exllamav2 %s is installed; exlq's generator "
-            "is written for %s",
+            "GPU sampling, batched prefill and the admission budget off: exllamav2 %s is "
+            "installed; exlq's generator is written for %s",
             installed,
             PINNED_EXLLAMAV2,
         )
         return ExLlamaV2DynamicGenerator(**kwargs)
     return ExlqDynamicGenerator(
-        gpu_sampling=gpu_sampling, prefill_batch_tokens=prefill_batch_tokens, **kwargs
+        gpu_sampling=gpu_sampling,
+        prefill_batch_tokens=prefill_batch_tokens,
+        admit_prompt_tokens=admit_prompt_tokens,
+        **kwargs,
     )
 
 
@@ -106,15 +116,23 @@ def gpu_sampleable(job: Any) -> bool:
 
 class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
     """ExLlamaV2DynamicGenerator whose decode step samples eligible jobs on the GPU
-    (gpu_sampling) and whose prefill passes run batched (prefill_batch_tokens > 0: the most
-    tokens, padding included, one batched pass takes)."""
+    (gpu_sampling), whose prefill passes run batched (prefill_batch_tokens > 0: the most
+    tokens, padding included, one batched pass takes), and whose steps each start jobs of at
+    most admit_prompt_tokens prompt tokens together (0: every job that fits)."""
 
     logits_pinned: Any
+    pending_jobs: list[Any]
 
     def __init__(
-        self, *args: Any, gpu_sampling: bool = True, prefill_batch_tokens: int = 0, **kwargs: Any
+        self,
+        *args: Any,
+        gpu_sampling: bool = True,
+        prefill_batch_tokens: int = 0,
+        admit_prompt_tokens: int = 0,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.admit_prompt_tokens = admit_prompt_tokens
         self.gpu_sampling = gpu_sampling
         self.gpu_sampled = 0
         self.cpu_sampled = 0
@@ -132,6 +150,24 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
                 self, min(prefill_batch_tokens, scratch_rows), padding_supported()
             )
 
+    def iterate_start_jobs(self, results: list[Any]) -> None:
+        """exllamav2's, offered only the waiting jobs that fit this step's prompt budget; the
+        rest wait, in their order, for the next step."""
+        waiting = self.pending_jobs
+        if self.admit_prompt_tokens <= 0 or not waiting:
+            super().iterate_start_jobs(results)
+            return
+        offered = jobs_to_start(
+            (sum(len(seq.input_ids) for seq in job.sequences) for job in waiting),
+            self.admit_prompt_tokens,
+        )
+        self.pending_jobs = waiting[:offered]
+        try:
+            super().iterate_start_jobs(results)
+        finally:
+            # exllamav2 removed from the offered list the jobs it started.
+            self.pending_jobs = self.pending_jobs + waiting[offered:]
+
     def warm_up_prefill(self) -> float:
         """Compile the attention kernel's prefill variants now rather than in the middle of
         serving (measured: over a second of compiles in a 128-job burst, and 1.3 s in the
@@ -145,6 +181,15 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         group = config.num_attention_heads // config.num_key_value_heads
         tokens = torch.Generator().manual_seed(0)
         started = time.perf_counter()
+        # The jobs of one pass must start in one step, whatever the admission budget.
+        budget, self.admit_prompt_tokens = self.admit_prompt_tokens, 0
+        try:
+            self._warm_up_tile_classes(batcher, group, tokens)
+        finally:
+            self.admit_prompt_tokens = budget
+        return time.perf_counter() - started
+
+    def _warm_up_tile_classes(self, batcher: PrefillBatcher, group: int, tokens: Any) -> None:
         for rows in TILE_CLASS_ROWS:
             longest = min(max(2, -(-rows // group)), self.max_chunk_size)
             self._run_prompts([longest + 1], tokens)
@@ -153,7 +198,6 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             self._run_prompts([longest + 1, longest + 1], tokens)
             if batcher.padding:
                 self._run_prompts([longest + 1, (longest + 1) // 2 + 1], tokens)
-        return time.perf_counter() - started
 
     def _run_prompts(self, lengths: list[int], tokens: Any) -> None:
         """Random prompts of these lengths, one new token each, admitted together."""

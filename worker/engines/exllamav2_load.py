@@ -44,6 +44,7 @@ def load_generator(
     cache_tokens: int,
     gpu_sampling: bool,
     prefill_batch_tokens: int,
+    admit_prompt_tokens: int = 0,
     max_chunk_size: int | None = None,
     sampling_threads: int = 16,
     paged: bool = True,
@@ -51,6 +52,8 @@ def load_generator(
     """Load the model in ``model_dir`` with a cache of ``cache_tokens`` (rounded down to whole
     pages, at least one) and a generator for ``max_batch_size`` jobs. ``max_chunk_size``
     (None: exllamav2's default) is held to what the model's scratch allows, in whole pages.
+    ``admit_prompt_tokens`` > 0: the jobs one step starts hold at most that many prompt
+    tokens together (exlq's generator).
     """
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
@@ -68,6 +71,7 @@ def load_generator(
     generator = make_dynamic_generator(
         gpu_sampling=gpu_sampling,
         prefill_batch_tokens=prefill_batch_tokens,
+        admit_prompt_tokens=admit_prompt_tokens,
         model=model,
         cache=cache,
         tokenizer=tokenizer,

@@ -1,4 +1,12 @@
-"""Which prompt chunks share one batched prefill pass. Plain Python: no torch, no exllamav2.
+"""Which jobs start in one step, and which prompt chunks share one batched prefill pass.
+Plain Python: no torch, no exllamav2.
+
+exllamav2 starts every waiting job that fits the batch and the cache, and prefills each
+one's prompt (up to max_chunk_size) in the step that starts it: a burst of 128 jobs of 256
+tokens is 32,768 prompt tokens in one step, and every job's first token, and the next token
+of every job already running, waits for all of it. jobs_to_start holds a step to a budget
+of prompt tokens, so a burst starts in slices: the first slice decodes while the next ones
+prefill.
 
 A batched pass runs its rows right-padded to the longest, so it costs rows x longest tokens of
 GPU work and one pass of host time. Small models are bound by host time (one eager pass is
@@ -8,11 +16,26 @@ by the GPU and lose what padding adds. group_chunks batches while the padding st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # A chunk joins a group only when at least this share of its padded row is real tokens.
 MIN_FILL = 0.5
+
+
+def jobs_to_start(prompt_tokens: Iterable[int], budget_tokens: int) -> int:
+    """How many of the waiting jobs, in order, this step may start: as many as hold at most
+    budget_tokens prompt tokens together, and always the first (a prompt longer than the
+    budget starts alone). budget_tokens 0: no budget, every job. Reads no further than it
+    needs, so a long queue costs nothing past the slice."""
+    count = 0
+    total = 0
+    for tokens in prompt_tokens:
+        total += tokens
+        if budget_tokens and count and total > budget_tokens:
+            break
+        count += 1
+    return count
 
 
 @dataclass(frozen=True, slots=True)
