@@ -17,6 +17,9 @@ from bench.baselines import IDLE_BEFORE_RUN_S, _summarize, percentiles, random_p
 from bench.placement import on_cpus
 from producer import AsyncProducer, DoneEvent, TokenEvent
 from worker.embedded_redis import RedisServer, free_port
+from worker.settings import WorkerSettings
+
+ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
 
 ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "bench"
@@ -175,6 +178,7 @@ class ExlqPath:
         sampling_threads: int = 1,
         engine_runner: str = "process",
         prefill_batch_tokens: int = 4096,
+        admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
@@ -188,6 +192,7 @@ class ExlqPath:
             "--sampling-threads": str(sampling_threads),
             "--engine-runner": engine_runner,
             "--prefill-batch-tokens": str(prefill_batch_tokens),
+            "--admit-prompt-tokens": str(admit_prompt_tokens),
         }
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus
@@ -289,6 +294,7 @@ def bench_exlq(
     sampling_threads: int = 1,
     engine_runner: str = "process",
     prefill_batch_tokens: int = 4096,
+    admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
     worker_cpus: frozenset[int] | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
@@ -302,6 +308,7 @@ def bench_exlq(
         sampling_threads=sampling_threads,
         engine_runner=engine_runner,
         prefill_batch_tokens=prefill_batch_tokens,
+        admit_prompt_tokens=admit_prompt_tokens,
         worker_cpus=worker_cpus,
     ) as path:
         for n in concurrencies:

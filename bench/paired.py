@@ -34,7 +34,8 @@ from worker.settings import WorkerSettings
 
 class EngineAlone:
     """exlq's engine without the queue, as system (e): the worker's generator class, CUDA
-    graphs for 1..max_batch_size jobs, GPU sampling and batched prefill, loaded once."""
+    graphs for 1..max_batch_size jobs, GPU sampling, batched prefill and the admission
+    budget, loaded once."""
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class EngineAlone:
         cache_tokens: int,
         prefill_batch_tokens: int,
         sampling_threads: int,
+        admit_prompt_tokens: int,
     ) -> None:
         importlib.import_module("exllamav2.generator")
         exlq_attention_patch()
@@ -56,6 +58,7 @@ class EngineAlone:
             sampling_threads,
             True,
             prefill_batch_tokens,
+            admit_prompt_tokens,
         )
         self.generator = self.loaded.generator
         # Readied as the worker's engine readies it.
@@ -86,7 +89,12 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     with on_cpus(place.server):
         engine = EngineAlone(
-            model, biggest, args.cache_tokens, args.prefill_batch_tokens, args.sampling_threads
+            model,
+            biggest,
+            args.cache_tokens,
+            args.prefill_batch_tokens,
+            args.sampling_threads,
+            args.admit_prompt_tokens,
         )
     try:
         with ExlqPath(
@@ -96,6 +104,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
             attention="exlq",
             sampling_threads=args.sampling_threads,
             prefill_batch_tokens=args.prefill_batch_tokens,
+            admit_prompt_tokens=args.admit_prompt_tokens,
             worker_cpus=place.server,
             redis_cpus=place.load,
         ) as path:
@@ -304,6 +313,12 @@ def main() -> None:
         "--prefill-batch-tokens",
         type=int,
         default=WorkerSettings.model_fields["prefill_batch_tokens"].default,
+    )
+    ap.add_argument(
+        "--admit-prompt-tokens",
+        type=int,
+        default=WorkerSettings.model_fields["admit_prompt_tokens"].default,
+        help="both systems: prompt tokens the jobs one step starts may hold (0: all that fit)",
     )
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
     ap.add_argument("--models", default="/tmp/exlq-models")

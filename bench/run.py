@@ -104,6 +104,7 @@ def run_shape(
                     sampling_threads=args.sampling_threads,
                     exlq_decode=exlq_decode,
                     prefill_batch_tokens=args.prefill_batch_tokens,
+                    admit_prompt_tokens=args.admit_prompt_tokens,
                     **point,
                 )
             )
@@ -121,6 +122,7 @@ def run_shape(
                 sampling_threads=args.sampling_threads,
                 engine_runner=args.engine_runner,
                 prefill_batch_tokens=args.prefill_batch_tokens,
+                admit_prompt_tokens=args.admit_prompt_tokens,
                 worker_cpus=place.server,
                 **point,
             )
@@ -325,6 +327,12 @@ def main() -> None:
         type=int,
         default=WorkerSettings.model_fields["prefill_batch_tokens"].default,
         help="(b) and (e): batched prefill budget; 0 prefills one job a pass",
+    )
+    ap.add_argument(
+        "--admit-prompt-tokens",
+        type=int,
+        default=WorkerSettings.model_fields["admit_prompt_tokens"].default,
+        help="(b) and (e): prompt tokens the jobs one step starts may hold (0: all that fit)",
     )
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))

@@ -48,6 +48,13 @@ PrefillBatchTokens = Annotated[
         help="prompt tokens one batched prefill pass takes (0: one pass per job)",
     ),
 ]
+AdmitPromptTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--admit-prompt-tokens",
+        help="prompt tokens the jobs one step starts may hold together (0: all that fit)",
+    ),
+]
 Runner = Annotated[str | None, typer.Option("--engine-runner", help="process (default) or thread")]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
 
@@ -83,6 +90,7 @@ def worker(
     cuda_graphs: CudaGraphs = None,
     gpu_sampling: GpuSampling = None,
     prefill_batch_tokens: PrefillBatchTokens = None,
+    admit_prompt_tokens: AdmitPromptTokens = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve a queue from a running Redis (EXLQ_* variables work too)."""
@@ -105,6 +113,7 @@ def worker(
         cuda_graphs=cuda_graphs,
         gpu_sampling=gpu_sampling,
         prefill_batch_tokens=prefill_batch_tokens,
+        admit_prompt_tokens=admit_prompt_tokens,
         log_level=log_level,
     )
     raise typer.Exit(run_worker(settings))

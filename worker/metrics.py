@@ -79,6 +79,7 @@ class Metrics:
                 "decode_graphs",
                 "gpu_sampling",
                 "prefill_batch_tokens",
+                "admit_prompt_tokens",
             ],
             registry=r,
         )
@@ -115,6 +116,7 @@ class Metrics:
             "on" if setup.decode_graphs else "off",
             "on" if setup.gpu_sampling else "off",
             str(setup.prefill_batch_tokens),
+            str(setup.admit_prompt_tokens),
         ).set(1)
 
     def job_received(self) -> None:

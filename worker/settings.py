@@ -54,6 +54,14 @@ class WorkerSettings(BaseSettings):
         description="prompt tokens (padding included) one batched prefill pass takes; 0: one "
         "pass per job, as exllamav2 does",
     )
+    admit_prompt_tokens: int = Field(
+        8192,
+        ge=0,
+        le=1_048_576,
+        description="prompt tokens the jobs one step starts may hold together; more wait for "
+        "the next step (a longer prompt starts alone); 0: every job that fits, as exllamav2 "
+        "does",
+    )
     sampling_threads: int = Field(
         1,
         ge=1,

@@ -12,7 +12,7 @@ from worker.metrics import Metrics
 
 def test_worker_info_carries_the_engine_setup() -> None:
     metrics = Metrics("q")
-    metrics.info("1.0", "exllamav2", "llama", EngineSetup("exlq", True, False, 4096))
+    metrics.info("1.0", "exllamav2", "llama", EngineSetup("exlq", True, False, 4096, 8192))
     lines = [
         line
         for line in generate_latest(metrics.registry).decode().splitlines()
@@ -24,6 +24,7 @@ def test_worker_info_carries_the_engine_setup() -> None:
         'decode_graphs="on"',
         'gpu_sampling="off"',
         'prefill_batch_tokens="4096"',
+        'admit_prompt_tokens="8192"',
         'engine="exllamav2"',
     ):
         assert label in lines[0]
@@ -36,9 +37,10 @@ class _GraphsFellBack(EchoEngine):
     decode_graphs = False
     gpu_sampling = True
     prefill_batch_tokens = 2048
+    admit_prompt_tokens = 1024
 
 
 def test_the_runner_reports_what_the_engine_ended_up_with() -> None:
     runner = EngineLoop(_GraphsFellBack(capacity=2, tokens_per_second=100))
-    assert runner.setup == EngineSetup("exlq", False, True, 2048)
+    assert runner.setup == EngineSetup("exlq", False, True, 2048, 1024)
     assert EngineLoop(EchoEngine(2, 100)).setup == EngineSetup()

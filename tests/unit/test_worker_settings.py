@@ -41,6 +41,7 @@ def test_worker_and_up_offer_the_flags() -> None:
         assert "--no-gpu-sampling" in result.output, command
     worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
     assert "--prefill-batch-tokens" in worker_help
+    assert "--admit-prompt-tokens" in worker_help
 
 
 def test_batched_prefill_is_on_by_default_and_zero_turns_it_off(
@@ -50,3 +51,14 @@ def test_batched_prefill_is_on_by_default_and_zero_turns_it_off(
     monkeypatch.setenv("EXLQ_PREFILL_BATCH_TOKENS", "0")
     assert load_settings(engine="echo").prefill_batch_tokens == 0
     assert load_settings(engine="echo", prefill_batch_tokens=8192).prefill_batch_tokens == 8192
+
+
+def test_the_admission_budget_defaults_to_two_passes_and_zero_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert load_settings(engine="echo").admit_prompt_tokens == 8192
+    monkeypatch.setenv("EXLQ_ADMIT_PROMPT_TOKENS", "0")
+    assert load_settings(engine="echo").admit_prompt_tokens == 0
+    assert load_settings(engine="echo", admit_prompt_tokens=4096).admit_prompt_tokens == 4096
+    with pytest.raises(typer.Exit):
+        load_settings(engine="echo", admit_prompt_tokens=-1)

@@ -56,6 +56,7 @@ class EngineSetup:
     decode_graphs: bool = False
     gpu_sampling: bool = False
     prefill_batch_tokens: int = 0  # 0: one job a prefill pass
+    admit_prompt_tokens: int = 0  # 0: a step starts every waiting job that fits
 
 
 class EngineDead(RuntimeError):
@@ -71,11 +72,16 @@ class Engine(ABC):
     decode_graphs: bool = False
     gpu_sampling: bool = False
     prefill_batch_tokens: int = 0
+    admit_prompt_tokens: int = 0
 
     @property
     def setup(self) -> EngineSetup:
         return EngineSetup(
-            self.attention, self.decode_graphs, self.gpu_sampling, self.prefill_batch_tokens
+            self.attention,
+            self.decode_graphs,
+            self.gpu_sampling,
+            self.prefill_batch_tokens,
+            self.admit_prompt_tokens,
         )
 
     @abstractmethod

@@ -96,6 +96,7 @@ class ExLlamaV2Engine(Engine):
             cache_tokens=settings.cache_tokens,
             gpu_sampling=settings.gpu_sampling,
             prefill_batch_tokens=settings.prefill_batch_tokens,
+            admit_prompt_tokens=settings.admit_prompt_tokens,
             max_chunk_size=settings.max_chunk_size,
             sampling_threads=settings.sampling_threads,
         )
@@ -111,6 +112,7 @@ class ExLlamaV2Engine(Engine):
         self.decode_graphs = self.graphs is not None
         self.gpu_sampling = bool(getattr(self.generator, "gpu_sampling", False))
         self.prefill_batch_tokens = batcher.budget_tokens if batcher else 0
+        self.admit_prompt_tokens = int(getattr(self.generator, "admit_prompt_tokens", 0))
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)
         self.chat = ChatFormatter(
             settings.model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
@@ -123,7 +125,7 @@ class ExLlamaV2Engine(Engine):
         self._seeds = random.Random()
         log.info(
             "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
-            "sampling on the %s, prefill %s",
+            "sampling on the %s, prefill %s, %s",
             settings.model.name,
             cache_tokens,
             self.capacity,
@@ -135,6 +137,11 @@ class ExLlamaV2Engine(Engine):
                 f"{', rows padded' if batcher.padding else ', equal lengths only'}"
                 if batcher
                 else "one job a pass"
+            ),
+            (
+                f"a step starts jobs of up to {self.admit_prompt_tokens} prompt tokens"
+                if self.admit_prompt_tokens
+                else "a step starts every job that fits"
             ),
         )
 
