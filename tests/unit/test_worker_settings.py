@@ -44,21 +44,19 @@ def test_worker_and_up_offer_the_flags() -> None:
     assert "--admit-prompt-tokens" in worker_help
 
 
-def test_batched_prefill_is_on_by_default_and_zero_turns_it_off(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("field", "default", "flag_value"),
+    [
+        ("prefill_batch_tokens", 4096, 8192),  # batched prefill, a pass of this many tokens
+        ("admit_prompt_tokens", 8192, 4096),  # the admission budget: two such passes a step
+    ],
+)
+def test_the_token_budgets_are_on_by_default_zero_turns_them_off_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch, field: str, default: int, flag_value: int
 ) -> None:
-    assert load_settings(engine="echo").prefill_batch_tokens == 4096
-    monkeypatch.setenv("EXLQ_PREFILL_BATCH_TOKENS", "0")
-    assert load_settings(engine="echo").prefill_batch_tokens == 0
-    assert load_settings(engine="echo", prefill_batch_tokens=8192).prefill_batch_tokens == 8192
-
-
-def test_the_admission_budget_defaults_to_two_passes_and_zero_turns_it_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert load_settings(engine="echo").admit_prompt_tokens == 8192
-    monkeypatch.setenv("EXLQ_ADMIT_PROMPT_TOKENS", "0")
-    assert load_settings(engine="echo").admit_prompt_tokens == 0
-    assert load_settings(engine="echo", admit_prompt_tokens=4096).admit_prompt_tokens == 4096
+    assert getattr(load_settings(engine="echo"), field) == default
+    monkeypatch.setenv(f"EXLQ_{field.upper()}", "0")
+    assert getattr(load_settings(engine="echo"), field) == 0
+    assert getattr(load_settings(engine="echo", **{field: flag_value}), field) == flag_value
     with pytest.raises(typer.Exit):
-        load_settings(engine="echo", admit_prompt_tokens=-1)
+        load_settings(engine="echo", **{field: -1})
