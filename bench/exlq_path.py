@@ -19,6 +19,8 @@ from producer import AsyncProducer, DoneEvent, TokenEvent
 from worker.embedded_redis import RedisServer, free_port
 from worker.settings import WorkerSettings
 
+# The worker's defaults, which every bench gives both its systems unless told otherwise.
+PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].default
 ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,7 +179,7 @@ class ExlqPath:
         attention: str = "auto",
         sampling_threads: int = 1,
         engine_runner: str = "process",
-        prefill_batch_tokens: int = 4096,
+        prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
         admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
@@ -293,7 +295,7 @@ def bench_exlq(
     attention: str = "auto",
     sampling_threads: int = 1,
     engine_runner: str = "process",
-    prefill_batch_tokens: int = 4096,
+    prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
     admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
     worker_cpus: frozenset[int] | None = None,
     seed: int = 0,

@@ -32,7 +32,6 @@ from bench.make_checkpoint import make_checkpoint
 from bench.paired import EngineAlone
 from bench.placement import on_cpus, placement
 from bench.run import RESULTS, gpu_name
-from worker.settings import WorkerSettings
 
 KINDS = ("none", "sleep", "cpu-spin", "gpu-busy")
 
@@ -70,13 +69,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
     place = placement(args.worker_cpus)
     with on_cpus(place.server):
-        engine = EngineAlone(
-            model,
-            args.concurrency,
-            args.cache_tokens,
-            WorkerSettings.model_fields["prefill_batch_tokens"].default,
-            1,
-        )
+        # The worker's defaults: batched prefill, one sampling thread, the admission budget.
+        engine = EngineAlone(model, args.concurrency, args.cache_tokens)
     gaps = {kind: gap_of(kind, args.gap_s) for kind in args.kinds}
     rows: list[dict[str, Any]] = []
     try:

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines, thread_clock
-from bench.exlq_path import ExlqPath
+from bench.exlq_path import ADMIT_PROMPT_TOKENS, PREFILL_BATCH_TOKENS, ExlqPath
 from bench.make_checkpoint import make_checkpoint
 from bench.placement import Placement, on_cpus, placement
 from bench.run import RESULTS, exlq_attention_patch, gpu_name
-from worker.settings import WorkerSettings
 
 
 class EngineAlone:
@@ -42,9 +41,9 @@ class EngineAlone:
         model_dir: Path,
         max_batch_size: int,
         cache_tokens: int,
-        prefill_batch_tokens: int,
-        sampling_threads: int,
-        admit_prompt_tokens: int,
+        prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
+        sampling_threads: int = 1,
+        admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
     ) -> None:
         importlib.import_module("exllamav2.generator")
         exlq_attention_patch()
@@ -312,12 +311,12 @@ def main() -> None:
     ap.add_argument(
         "--prefill-batch-tokens",
         type=int,
-        default=WorkerSettings.model_fields["prefill_batch_tokens"].default,
+        default=PREFILL_BATCH_TOKENS,
     )
     ap.add_argument(
         "--admit-prompt-tokens",
         type=int,
-        default=WorkerSettings.model_fields["admit_prompt_tokens"].default,
+        default=ADMIT_PROMPT_TOKENS,
         help="both systems: prompt tokens the jobs one step starts may hold (0: all that fit)",
     )
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")

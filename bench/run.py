@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench.exlq_path import bench_exlq
+from bench.exlq_path import ADMIT_PROMPT_TOKENS, PREFILL_BATCH_TOKENS, bench_exlq
 from bench.make_checkpoint import make_checkpoint
 from bench.placement import AUTO_MIN_CPUS, AUTO_SERVER_CPUS, Placement, on_cpus, placement
-from worker.settings import WorkerSettings
 
 # Systems whose model runs inside the bench process.
 IN_PROCESS = "aed"
@@ -325,13 +324,13 @@ def main() -> None:
     ap.add_argument(
         "--prefill-batch-tokens",
         type=int,
-        default=WorkerSettings.model_fields["prefill_batch_tokens"].default,
+        default=PREFILL_BATCH_TOKENS,
         help="(b) and (e): batched prefill budget; 0 prefills one job a pass",
     )
     ap.add_argument(
         "--admit-prompt-tokens",
         type=int,
-        default=WorkerSettings.model_fields["admit_prompt_tokens"].default,
+        default=ADMIT_PROMPT_TOKENS,
         help="(b) and (e): prompt tokens the jobs one step starts may hold (0: all that fit)",
     )
     ap.add_argument("--models", default="/tmp/exlq-models")
