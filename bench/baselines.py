@@ -859,7 +859,7 @@ def _hf_continuous_batching(
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     n = len(prompts)
-    gen_cfg = GenerationConfig(  # type: ignore[no-untyped-call]
+    gen_cfg = GenerationConfig(  # type: ignore[no-untyped-call, unused-ignore]
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
     cb_kwargs: dict[str, Any] = {"max_requests_per_batch": n}
@@ -943,7 +943,7 @@ def _hf_generate(
     cuda = device.startswith("cuda")
     step_times: list[float] = []
 
-    class _Clock(StoppingCriteria):
+    class _Clock(StoppingCriteria):  # type: ignore[misc, unused-ignore]
         """Called once per step, after the step's tokens are appended: timestamps each step."""
 
         def __call__(
@@ -952,7 +952,7 @@ def _hf_generate(
             if cuda:
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value, unused-ignore]
 
     # Equal-length prompts: no padding needed (left padding would be used otherwise).
     input_ids = torch.tensor(prompts, dtype=torch.long, device=device)

@@ -12,7 +12,7 @@ import datetime as dt
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ def measure_bandwidth() -> float:
     del src, dst
     torch.cuda.empty_cache()
     median = sorted(times[3:])[len(times[3:]) // 2]
-    return 2 * 2 * 1024**3 / median
+    return float(2 * 2 * 1024**3 / median)
 
 
 def gpu_name() -> str:
@@ -91,53 +91,49 @@ def run_shape(
         rows.append(row)
         print(json.dumps({k: row.get(k) for k, _ in COLUMNS} | {"shape": shape}), flush=True)
 
-    def generator_alone(exlq_decode: bool) -> None:
-        for n in args.concurrency:
-            record(
-                baselines.bench_exllamav2_dynamic(
-                    model,
-                    n,
-                    cache_tokens=args.cache_tokens,
-                    attn_patch=exlq_attention_patch,
-                    max_batch_size=max(args.concurrency),
-                    sampling_threads=args.sampling_threads,
-                    exlq_decode=exlq_decode,
-                    prefill_batch_tokens=args.prefill_batch_tokens,
-                    admit_prompt_tokens=args.admit_prompt_tokens,
-                    **point,
-                )
-            )
-
-    systems: dict[str, Callable[[], None]] = {
-        "a": lambda: generator_alone(exlq_decode=False),
-        "e": lambda: generator_alone(exlq_decode=True),
-        "b": lambda: [
-            record(r)
-            for r in bench_exlq(
+    def generator_alone(exlq_decode: bool) -> Iterator[dict[str, Any]]:
+        return (
+            baselines.bench_exllamav2_dynamic(
                 model,
-                args.concurrency,
+                n,
                 cache_tokens=args.cache_tokens,
-                attention="exlq",
+                attn_patch=exlq_attention_patch,
+                max_batch_size=max(args.concurrency),
                 sampling_threads=args.sampling_threads,
-                engine_runner=args.engine_runner,
+                exlq_decode=exlq_decode,
                 prefill_batch_tokens=args.prefill_batch_tokens,
                 admit_prompt_tokens=args.admit_prompt_tokens,
-                worker_cpus=place.server,
                 **point,
             )
-        ],
-        "c": lambda: [
-            record(
-                baselines.bench_exllamav2_websocket(
-                    model, n, timeout_s=args.ws_window_s, server_cpus=place.server, **point
-                )
+            for n in args.concurrency
+        )
+
+    # Each system's rows, one point at a time (lazily: a failure keeps the points before it).
+    systems: dict[str, Callable[[], Iterable[dict[str, Any]]]] = {
+        "a": lambda: generator_alone(exlq_decode=False),
+        "e": lambda: generator_alone(exlq_decode=True),
+        "b": lambda: bench_exlq(
+            model,
+            args.concurrency,
+            cache_tokens=args.cache_tokens,
+            attention="exlq",
+            sampling_threads=args.sampling_threads,
+            engine_runner=args.engine_runner,
+            prefill_batch_tokens=args.prefill_batch_tokens,
+            admit_prompt_tokens=args.admit_prompt_tokens,
+            worker_cpus=place.server,
+            **point,
+        ),
+        "c": lambda: (
+            baselines.bench_exllamav2_websocket(
+                model, n, timeout_s=args.ws_window_s, server_cpus=place.server, **point
             )
             for n in args.concurrency
-        ],
-        "d": lambda: [
-            record(baselines.bench_transformers(model, n, cache_tokens=args.cache_tokens, **point))
+        ),
+        "d": lambda: (
+            baselines.bench_transformers(model, n, cache_tokens=args.cache_tokens, **point)
             for n in args.concurrency
-        ],
+        ),
     }
     for repeat in range(args.repeats):
         for key in args.systems:
@@ -149,7 +145,8 @@ def run_shape(
             cpus = place.server if key in IN_PROCESS else place.load
             try:
                 with on_cpus(cpus):
-                    systems[key]()
+                    for row in systems[key]():
+                        record(row)
             except Exception as exc:  # one system failing must not lose the others' figures
                 rows.append({"shape": shape, "system": key, "error": repr(exc)})
                 print(f"system {key} on {shape} failed: {exc!r}", flush=True)
