@@ -184,3 +184,47 @@ def test_input_ids_run_as_the_same_prompt_and_unseeded_jobs_draw_apart(engine: A
     # over the whole vocabulary of random weights: equal by chance essentially never).
     assert runs[0]["seeded"] == runs[1]["seeded"]
     assert runs[0]["unseeded"] != runs[1]["unseeded"]
+
+
+def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
+    """Jobs are checked on arrival and built only when a step could start them (one past
+    the admission budget's slice); a job cancelled before its build ends with no tokens;
+    slices start in arrival order."""
+    from producer.protocol import GenerationRequest
+    from worker.engines.base import JobEnded
+
+    assert engine.admit_prompt_tokens == 8192  # the default: slices of 8 prompts of 1,000
+    generator = engine.generator
+    vocab = engine.model.config.vocab_size
+    job_ids = [f"b{n:02d}" for n in range(12)]
+    for n, job_id in enumerate(job_ids):
+        # Distinct prompts, so no job reuses another's cached pages.
+        prompt = [1 + (n * 7919 + i * 104_729) % (vocab - 1) for i in range(1000)]
+        engine.add(
+            job_id,
+            GenerationRequest(
+                input_ids=prompt, max_new_tokens=4, ignore_eos=True, sampling={"temperature": 0}
+            ),
+        )
+    assert engine.active_jobs == 12 and generator.num_remaining_jobs() == 0  # none built
+
+    assert engine.cancel("b11") == JobEnded("b11", "cancelled", 1000, 0)
+    assert engine.active_jobs == 11
+
+    started_in: dict[str, int] = {}
+    ended: list[JobEnded] = []
+    step = 0
+    while engine.active_jobs:
+        step += 1
+        ended += [o for o in engine.step() if isinstance(o, JobEnded)]
+        for job in generator.active_jobs:
+            started_in.setdefault(job.identifier, step)
+        if step == 1:
+            # Nine built (9,000 waiting tokens > 8,192), eight started, two not built.
+            assert sorted(started_in) == job_ids[:8]
+            assert len(generator.pending_jobs) == 1 and engine.active_jobs == 11
+    assert sorted(started_in) == job_ids[:11]
+    order = [started_in[job_id] for job_id in job_ids[:11]]
+    assert order == sorted(order) and order[8] > 1  # the second slice starts later
+    assert {e.job_id for e in ended} == set(job_ids[:11])
+    assert all(e.finish_reason == "length" and e.completion_tokens == 4 for e in ended)

@@ -103,3 +103,45 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
         handle = await producer.submit("still runs", max_new_tokens=2)
         result = await asyncio.wait_for(handle.result(), timeout=10)
     assert failed and result.state == "done"
+
+
+async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
+    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece of a read is started and handed to the engine before the next is
+    started, so the engine can prefill the first while the worker takes in the rest."""
+    from worker.engine_loop import EngineLoop
+    from worker.runner import ACCEPT_PIECE
+
+    log: list[tuple[str, list[str]]] = []
+    real_start, real_add = Broker.start_jobs, EngineLoop.add_many
+
+    async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
+        log.append(("start", [job_id for job_id, _ in jobs]))
+        return await real_start(self, jobs)
+
+    def add_many(self: EngineLoop, jobs: list[tuple[str, Any]]) -> None:
+        log.append(("add", [job_id for job_id, _ in jobs]))
+        real_add(self, jobs)
+
+    monkeypatch.setattr(Broker, "start_jobs", start_jobs)
+    monkeypatch.setattr(EngineLoop, "add_many", add_many)
+    count = 2 * ACCEPT_PIECE + 5
+    await start_worker(engine=CountingEngine(capacity=128), max_batch_size=128)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        burst = await asyncio.gather(
+            *(producer.submit(f"burst {i}", max_new_tokens=2) for i in range(count))
+        )
+        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=30)
+    assert [r.state for r in results] == ["done"] * count
+    # One read took the whole burst (it landed in one script) and accepted it in pieces.
+    assert [(kind, len(ids)) for kind, ids in log] == [
+        ("start", ACCEPT_PIECE),
+        ("add", ACCEPT_PIECE),
+        ("start", ACCEPT_PIECE),
+        ("add", ACCEPT_PIECE),
+        ("start", 5),
+        ("add", 5),
+    ]
+    handed = [job_id for kind, ids in log if kind == "add" for job_id in ids]
+    assert handed == [h.id for h in burst]

@@ -31,8 +31,10 @@ from worker.engines.base import (
     EngineOutput,
     EngineUnavailable,
     JobEnded,
+    JobErrored,
     TokenChunk,
 )
+from worker.engines.build_queue import Accepted, BuildQueue
 from worker.engines.chat_template import ChatFormatter
 from worker.settings import WorkerSettings
 
@@ -78,6 +80,14 @@ class _Job:
     prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """An accepted request, its prompt encoded, until the engine builds its job."""
+
+    request: GenerationRequest
+    input_ids: Any  # torch.Tensor, shape (1, prompt tokens)
+
+
 class ExLlamaV2Engine(Engine):
     name = "exllamav2"
 
@@ -119,6 +129,8 @@ class ExLlamaV2Engine(Engine):
         )
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
+        # Accepted jobs are built only when the next step could start them (build_queue.py).
+        self._unbuilt: BuildQueue[_Checked] = BuildQueue(self.admit_prompt_tokens)
         # Seeds for jobs that bring none. exllamav2 seeds such a job's random.Random() from
         # os.urandom, about 15 us a job; an integer seed drawn here costs half that. Sampling
         # needs independent streams, not secrets: a 64-bit seed per job gives them.
@@ -148,8 +160,8 @@ class ExLlamaV2Engine(Engine):
     # -- jobs ---------------------------------------------------------------------------
 
     def add(self, job_id: str, request: GenerationRequest) -> None:
-        from exllamav2.generator import ExLlamaV2DynamicJob
-
+        """Check and encode the request now (a bad one raises here); build its job when a
+        step could start it."""
         input_ids = self._encode(request)
         prompt_tokens = int(input_ids.shape[-1])
         if prompt_tokens + request.max_new_tokens > self.max_seq_len:
@@ -158,11 +170,34 @@ class ExLlamaV2Engine(Engine):
                 f"({request.max_new_tokens}) exceeds the {self.max_seq_len} tokens this worker "
                 "can hold for one job: shorten the prompt or lower max_new_tokens"
             )
+        self._unbuilt.put(job_id, prompt_tokens, _Checked(request, input_ids))
+
+    def _build_startable(self) -> list[EngineOutput]:
+        """Build, in order, the accepted jobs this step could start; a job exllamav2 will
+        not build fails alone."""
+        if not self._unbuilt:
+            return []
+        failed: list[EngineOutput] = []
+        waiting = sum(_prompt_tokens(job) for job in self.generator.pending_jobs)
+        for accepted in self._unbuilt.take(waiting):
+            try:
+                self._build(accepted)
+            except Exception as exc:
+                log.exception("engine refused job %s", accepted.job_id)
+                failed.append(
+                    JobErrored(accepted.job_id, "engine_error", f"{type(exc).__name__}: {exc}")
+                )
+        return failed
+
+    def _build(self, accepted: Accepted[_Checked]) -> None:
+        from exllamav2.generator import ExLlamaV2DynamicJob
+
+        request = accepted.item.request
         stops: list[int | str] = [*request.stop, *request.stop_token_ids]
         if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
             stops.append(self.tokenizer.eos_token_id)
         job = ExLlamaV2DynamicJob(
-            input_ids=input_ids,
+            input_ids=accepted.item.input_ids,
             max_new_tokens=request.max_new_tokens,
             gen_settings=self._sampler(request),
             seed=(
@@ -174,10 +209,10 @@ class ExLlamaV2Engine(Engine):
             banned_strings=request.banned_strings or None,
             return_top_tokens=request.logprobs,
             return_probs=request.logprobs > 0,
-            identifier=job_id,
+            identifier=accepted.job_id,
         )
         self.generator.enqueue(job)
-        self._jobs[job_id] = _Job(job, prompt_tokens)
+        self._jobs[accepted.job_id] = _Job(job, accepted.prompt_tokens)
 
     def _encode(self, request: GenerationRequest) -> Any:
         if request.input_ids is not None:
@@ -220,6 +255,9 @@ class ExLlamaV2Engine(Engine):
         )
 
     def cancel(self, job_id: str) -> JobEnded | None:
+        unbuilt = self._unbuilt.remove(job_id)
+        if unbuilt is not None:
+            return JobEnded(job_id, "cancelled", unbuilt.prompt_tokens, 0)
         entry = self._jobs.pop(job_id, None)
         if entry is None:
             return None
@@ -227,7 +265,7 @@ class ExLlamaV2Engine(Engine):
         return JobEnded(job_id, "cancelled", entry.prompt_tokens, int(entry.job.new_tokens))
 
     def step(self) -> list[EngineOutput]:
-        outputs: list[EngineOutput] = []
+        outputs = self._build_startable()
         for result in self.generator.iterate():
             if result["stage"] != "streaming":
                 continue
@@ -284,7 +322,7 @@ class ExLlamaV2Engine(Engine):
         return choices
 
     def abort_all(self) -> list[str]:
-        ids = list(self._jobs)
+        ids = [*self._jobs, *self._unbuilt.clear()]
         self._jobs.clear()
         try:
             self.generator.clear_queue()
@@ -295,13 +333,19 @@ class ExLlamaV2Engine(Engine):
 
     @property
     def active_jobs(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._unbuilt)
 
     def cache_usage(self) -> CacheUsage:
         return CacheUsage(len(self.generator.referenced_pages), self.generator.max_pages)
 
     def close(self) -> None:
+        self._unbuilt.clear()
         self.generator.clear_queue()
         if self.graphs is not None:
             self.graphs.uninstall()
         self.loaded.unload()
+
+
+def _prompt_tokens(job: Any) -> int:
+    """The prompt tokens of an exllamav2 job, as the admission budget counts them."""
+    return sum(len(seq.input_ids) for seq in job.sequences)
