@@ -11,11 +11,18 @@ prefills them in one pass. Each job still gets its own outcome; one that fails i
 script (say a key of the wrong type at its id) fails alone. A lone submit goes out on the
 next pass of the loop, as it did before: nothing waits for a batch to fill. A Redis that
 lost the script (a restart, SCRIPT FLUSH) gets it again.
+
+A large burst goes out in pieces of PIECE_JOBS. On Python >= 3.12 a piece is written the
+moment it fills (an eagerly started task), while the loop pass goes on validating the rest
+of the burst: a worker starts on the first piece while the others are still being built
+here. Earlier Pythons send the pieces at the end of the pass, in order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -25,10 +32,11 @@ from producer.batch_script import per_job_script, reply_pairs
 from producer.keys import QueueKeys
 from producer.subscriber import EventRouter
 
-# More than this many submits in one pass go out as several scripts. Redis runs nothing
-# else while a script runs: 256 jobs of 256-token prompts took 3.5 ms of it (INFO
-# commandstats, development machine), 64 jobs 0.8 ms.
-MAX_BATCH = 256
+# The most submits one script takes. A worker accepts a burst in pieces of the same size
+# (worker.runner.ACCEPT_PIECE): 32 prompts of 256 tokens are the engine's first admission
+# slice. Redis runs nothing else while a script runs: 256 jobs of 256-token prompts took
+# 3.5 ms of it (INFO commandstats, development machine), 64 jobs 0.8 ms.
+PIECE_JOBS = 32
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
 # state. KEYS[1] is the stream, KEYS[1 + i] job i's state hash; ARGV[1] the state TTL,
@@ -55,6 +63,10 @@ end""",
     first_key=2,
     arg_offset=1,
 )
+
+
+# Whether a full piece goes out at once (an eager task) or with the end of the loop pass.
+EAGER_SEND = sys.version_info >= (3, 12)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +105,7 @@ class SubmitBatcher:
         self._max_backlog = max_backlog
         self._script = client.register_script(SUBMIT_MANY_LUA)
         self._waiting: list[_Pending] = []
+        self._flush_due = False
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def submit(self, job_id: str, request_json: str) -> Submitted:
@@ -101,12 +114,14 @@ class SubmitBatcher:
         If the caller is cancelled while its batch is out, the job may still be enqueued
         (as with any command already sent); its channel is then unsubscribed."""
         pending = _Pending(job_id, request_json)
-        if not self._waiting:
-            # Runs after every task that is ready now has run up to its own await.
-            task = asyncio.create_task(self._flush(), name="exlq-submit-batch")
-            self._flushes.add(task)
-            task.add_done_callback(self._flushes.discard)
         self._waiting.append(pending)
+        if EAGER_SEND and len(self._waiting) >= PIECE_JOBS:
+            batch, self._waiting = self._waiting, []
+            self._spawn(self._send(batch), eager=True)
+        elif not self._flush_due:
+            # Runs after every task that is ready now has run up to its own await.
+            self._flush_due = True
+            self._spawn(self._flush(), eager=False)
         return await pending.done
 
     async def close(self) -> None:
@@ -114,10 +129,25 @@ class SubmitBatcher:
         if self._flushes:
             await asyncio.gather(*self._flushes, return_exceptions=True)
 
+    def _spawn(self, send: Coroutine[None, None, None], eager: bool) -> None:
+        if eager and sys.version_info >= (3, 12):
+            # Runs now, up to its first real wait: the piece is written before submit()
+            # returns to the rest of the burst.
+            loop = asyncio.get_running_loop()
+            task = asyncio.Task(send, loop=loop, name="exlq-submit-piece", eager_start=True)
+        else:
+            task = asyncio.create_task(send, name="exlq-submit-batch")
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
     async def _flush(self) -> None:
+        self._flush_due = False
         batch, self._waiting = self._waiting, []
-        for start in range(0, len(batch), MAX_BATCH):
-            await self._send(batch[start : start + MAX_BATCH])
+        # Written in order (the event connection's write lock is first come, first served),
+        # each piece's reply awaited on its own.
+        await asyncio.gather(
+            *(self._send(batch[i : i + PIECE_JOBS]) for i in range(0, len(batch), PIECE_JOBS))
+        )
 
     async def _send(self, batch: list[_Pending]) -> None:
         try:

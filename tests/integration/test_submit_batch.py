@@ -12,7 +12,8 @@ from redis.exceptions import ResponseError
 
 from producer import AsyncProducer, JobHandle, QueueFull
 from producer.keys import QueueKeys
-from producer.submit_batch import MAX_BATCH
+from producer.submit_batch import EAGER_SEND, PIECE_JOBS, SubmitBatcher
+from producer.subscriber import EventRouter
 
 pytestmark = pytest.mark.integration
 
@@ -28,17 +29,17 @@ async def test_a_burst_of_submits_is_one_subscribe_and_one_script_and_every_job_
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         await producer.submit("warm up", max_new_tokens=1)  # the script is loaded
         await redis_client.config_resetstat()
-        prompts = [f"job {i} of the burst" for i in range(40)]
+        prompts = [f"job {i} of the burst" for i in range(PIECE_JOBS)]
         handles = await asyncio.gather(
             *(producer.submit(p, max_new_tokens=4, id=f"burst-{i}") for i, p in enumerate(prompts))
         )
         assert await _calls(redis_client, "subscribe") == 1
         assert await _calls(redis_client, "evalsha") == 1
-        assert [h.id for h in handles] == [f"burst-{i}" for i in range(40)]
+        assert [h.id for h in handles] == [f"burst-{i}" for i in range(PIECE_JOBS)]
         # One script enqueued them: the stream holds them in submit order, together.
         entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
         ids = [json.loads(fields[b"job"])["id"] for _, fields in entries]
-        assert ids[-40:] == [f"burst-{i}" for i in range(40)]
+        assert ids[-PIECE_JOBS:] == [f"burst-{i}" for i in range(PIECE_JOBS)]
         await start_worker(max_batch_size=64)  # only now: its own scripts are EVALSHA too
         results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
     for prompt, result in zip(prompts, results, strict=True):
@@ -120,16 +121,43 @@ async def test_a_submit_cancelled_while_its_batch_is_out_leaves_no_subscription(
         assert producer._router.channel_count == 0
 
 
-async def test_a_burst_larger_than_one_batch_goes_out_in_several(
-    redis_url: str, queue_name: str, redis_client: aioredis.Redis
+async def test_a_burst_larger_than_a_piece_goes_out_in_pieces_in_order(
+    redis_url: str, queue_name: str, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    log: list[tuple[str, int]] = []
+    real_submit, real_subscribe_then = SubmitBatcher.submit, EventRouter.subscribe_then
+
+    async def submit(self: SubmitBatcher, job_id: str, request_json: str) -> Any:
+        log.append(("submit", 1))
+        return await real_submit(self, job_id, request_json)
+
+    async def subscribe_then(self: EventRouter, channels: list[str], command: Any) -> Any:
+        log.append(("send", len(channels)))
+        return await real_subscribe_then(self, channels, command)
+
+    count = 2 * PIECE_JOBS + 44
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         await producer.submit("warm up", max_new_tokens=1)
         await redis_client.config_resetstat()
+        monkeypatch.setattr(SubmitBatcher, "submit", submit)
+        monkeypatch.setattr(EventRouter, "subscribe_then", subscribe_then)
         handles = await asyncio.gather(
-            *(producer.submit(f"job {i}", max_new_tokens=1) for i in range(MAX_BATCH + 44))
+            *(producer.submit(f"job {i}", max_new_tokens=1, id=f"p-{i}") for i in range(count))
         )
-        assert await _calls(redis_client, "subscribe") == 2
-        assert len({h.id for h in handles}) == MAX_BATCH + 44
-        assert producer._router.channel_count == MAX_BATCH + 45
-    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == MAX_BATCH + 45
+        assert await _calls(redis_client, "subscribe") == 4
+        assert await _calls(redis_client, "evalsha") == 4
+        assert producer._router.channel_count == count + 1
+    entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
+    assert (
+        [json.loads(fields[b"job"])["id"] for _, fields in entries[1:]]
+        == [h.id for h in handles]
+        == [f"p-{i}" for i in range(count)]
+    )
+    sends = [n for kind, n in log if kind == "send"]
+    assert sends == [PIECE_JOBS, PIECE_JOBS, PIECE_JOBS, 44 - PIECE_JOBS]
+    first_send = log.index(("send", PIECE_JOBS))
+    if EAGER_SEND:
+        # Python >= 3.12: a full piece is written while the rest of the burst is submitted.
+        assert first_send == PIECE_JOBS
+    else:
+        assert first_send == count
