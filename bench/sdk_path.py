@@ -2,7 +2,10 @@
 
 - ``submit``: a burst of N jobs (256-token prompts) submitted at once from N tasks, on a
   producer whose connections are open; the median job's ``submit()`` return, and the
-  last one's. This is the SDK's share of the TTFT that `bench.paired` reports.
+  last one's. This is the SDK's share of the TTFT that `bench.paired` reports. Also when
+  the burst's first and last entries landed in the stream (their ids' server
+  milliseconds, so to 1 ms): a worker can start on the first. On Python >= 3.12 each
+  burst size runs twice, with full pieces written at once (``EAGER_SEND``) and without.
 - ``events``: N jobs whose events a publisher process sends as an engine would (one token
   event per job per step, then a done event); the SDK's CPU time per event received,
   through ``JobHandle.stream()``. At a few jobs the cost of each wake-up of the event loop
@@ -29,6 +32,7 @@ from typing import Any
 
 import redis
 
+from producer import submit_batch
 from producer.client import AsyncProducer, JobHandle
 from producer.keys import QueueKeys
 from producer.protocol import DoneEvent, Timings, TokenEvent, Usage
@@ -87,28 +91,62 @@ async def _timed_submit(
     return handle
 
 
+def _entry_ms(entry_id: object) -> int:
+    """The server's milliseconds in a stream entry id ("<ms>-<seq>")."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(text.split("-")[0])
+
+
 async def measure_submit(producer: AsyncProducer, n: int, repeats: int) -> dict[str, Any]:
     prompt = list(range(1000, 1000 + PROMPT_TOKENS))
+    jobs = QueueKeys(QUEUE).jobs
     medians: list[float] = []
     lasts: list[float] = []
+    landed_first: list[float] = []
+    landed_last: list[float] = []
     for _ in range(repeats):
         returned: list[float] = []
+        wall0 = time.time() * 1000
         t0 = time.perf_counter()
         handles = await asyncio.gather(
             *(_timed_submit(producer, prompt, t0, returned) for _ in range(n))
         )
         medians.append(statistics.median(returned) * 1000)
         lasts.append(max(returned) * 1000)
+        entries = await producer._redis.xrevrange(jobs, count=n) or []
+        landed = [_entry_ms(entry_id) - wall0 for entry_id, _ in entries]
+        landed_first.append(min(landed))
+        landed_last.append(max(landed))
         await _release(producer, handles)
         await asyncio.sleep(0.01)
     return {
         "concurrency": n,
         "repeats": repeats,
+        "pieces_written_at_once": submit_batch.EAGER_SEND,
         "submit_ms_p50": statistics.median(medians),
         "submit_ms_last": statistics.median(lasts),
         "submit_ms_p50_min": min(medians),
         "submit_ms_p50_max": max(medians),
+        "first_entry_landed_ms": statistics.median(landed_first),
+        "last_entry_landed_ms": statistics.median(landed_last),
     }
+
+
+async def measure_submit_modes(
+    producer: AsyncProducer, n: int, repeats: int
+) -> list[dict[str, Any]]:
+    """Each burst size as the SDK sends it here; on Python >= 3.12 also without writing
+    full pieces at once, in turn, for the comparison."""
+    if not submit_batch.EAGER_SEND:
+        return [await measure_submit(producer, n, repeats)]
+    rows: list[dict[str, Any]] = []
+    try:
+        for eager in (True, False):
+            submit_batch.EAGER_SEND = eager
+            rows.append(await measure_submit(producer, n, repeats))
+    finally:
+        submit_batch.EAGER_SEND = True
+    return rows
 
 
 async def measure_events(producer: AsyncProducer, url: str, n: int, steps: int) -> dict[str, Any]:
@@ -145,7 +183,11 @@ async def measure(concurrencies: list[int], repeats: int, steps: int) -> dict[st
                 *(producer.submit("warm up", max_new_tokens=1) for _ in range(max(concurrencies)))
             )
             await _release(producer, warm)
-            submit = [await measure_submit(producer, n, repeats) for n in concurrencies]
+            submit = [
+                row
+                for n in concurrencies
+                for row in await measure_submit_modes(producer, n, repeats)
+            ]
             events = [await measure_events(producer, server.url, n, steps) for n in concurrencies]
             one_write = getattr(producer._router, "commands_while_subscribed", False)
     return {"submit": submit, "events": events, "submit_in_one_write": one_write}
@@ -164,7 +206,9 @@ def main() -> None:
         print(
             f"submit n={row['concurrency']}: p50 {row['submit_ms_p50']:.2f} ms "
             f"({row['submit_ms_p50_min']:.2f}-{row['submit_ms_p50_max']:.2f}), "
-            f"last {row['submit_ms_last']:.2f} ms"
+            f"last {row['submit_ms_last']:.2f} ms; entries landed after "
+            f"{row['first_entry_landed_ms']:.1f} (first) / {row['last_entry_landed_ms']:.1f} "
+            f"(last) ms; full pieces written at once: {row['pieces_written_at_once']}"
         )
     for row in result["events"]:
         print(f"events n={row['concurrency']}: {row['cpu_us_per_event']:.1f} us CPU per event")
