@@ -2,12 +2,12 @@
 
 A service that takes many requests at once calls ``submit()`` from many tasks at once.
 Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst of 64 reaches
-the queue over tens of milliseconds, so a worker starts the first job alone. Batched, the
-burst is one write on the producer's event connection: one SUBSCRIBE for all its channels,
-then one script that enqueues every job of the batch. Redis runs the script after the
-SUBSCRIBE, so no event is missed, and the whole submit is one round trip. The entries land
-in the stream together, so a worker's read takes them in one piece and its engine
-prefills them in one pass. Each job still gets its own outcome; one that fails inside the
+the queue over tens of milliseconds, so a worker starts the first job alone. Batched, each
+piece of a burst is one write on the producer's event connection: one SUBSCRIBE for its
+channels, then one script that enqueues every job of the piece. Redis runs the script after
+the SUBSCRIBE, so no event is missed, and the piece's submit is one round trip. Its entries
+land in the stream together, so a worker's read takes them in one piece and its engine
+starts them in one pass. Each job still gets its own outcome; one that fails inside the
 script (say a key of the wrong type at its id) fails alone. A lone submit goes out on the
 next pass of the loop, as it did before: nothing waits for a batch to fill. A Redis that
 lost the script (a restart, SCRIPT FLUSH) gets it again.
