@@ -31,19 +31,18 @@ class Accepted(Generic[T]):
 class BuildQueue(Generic[T]):
     """Accepted jobs in arrival order, until the engine builds them."""
 
-    def __init__(self, budget_tokens: int) -> None:
-        self.budget_tokens = budget_tokens
+    def __init__(self) -> None:
         self._waiting: OrderedDict[str, Accepted[T]] = OrderedDict()
 
     def put(self, job_id: str, prompt_tokens: int, item: T) -> None:
         self._waiting[job_id] = Accepted(job_id, prompt_tokens, item)
 
-    def take(self, waiting_tokens: int) -> Iterator[Accepted[T]]:
+    def take(self, waiting_tokens: int, budget_tokens: int) -> Iterator[Accepted[T]]:
         """The jobs to build before a step, in order, given ``waiting_tokens`` of prompt
         held by the jobs already built and waiting to start: while those hold no more than
-        the budget, one more. Budget 0: every job. Taken lazily, so a caller that stops
-        early leaves the rest queued."""
-        while self._waiting and (not self.budget_tokens or waiting_tokens <= self.budget_tokens):
+        the admission budget, one more. Budget 0: every job. Taken lazily, so a caller that
+        stops early leaves the rest queued."""
+        while self._waiting and (not budget_tokens or waiting_tokens <= budget_tokens):
             _, accepted = self._waiting.popitem(last=False)
             waiting_tokens += accepted.prompt_tokens
             yield accepted

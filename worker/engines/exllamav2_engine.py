@@ -130,7 +130,7 @@ class ExLlamaV2Engine(Engine):
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
         # Accepted jobs are built only when the next step could start them (build_queue.py).
-        self._unbuilt: BuildQueue[_Checked] = BuildQueue(self.admit_prompt_tokens)
+        self._unbuilt: BuildQueue[_Checked] = BuildQueue()
         # Seeds for jobs that bring none. exllamav2 seeds such a job's random.Random() from
         # os.urandom, about 15 us a job; an integer seed drawn here costs half that. Sampling
         # needs independent streams, not secrets: a 64-bit seed per job gives them.
@@ -177,9 +177,12 @@ class ExLlamaV2Engine(Engine):
         not build fails alone."""
         if not self._unbuilt:
             return []
+        from worker.engines.exllamav2_generator import prompt_tokens
+
         failed: list[EngineOutput] = []
-        waiting = sum(_prompt_tokens(job) for job in self.generator.pending_jobs)
-        for accepted in self._unbuilt.take(waiting):
+        budget = self.admit_prompt_tokens
+        waiting = sum(prompt_tokens(job) for job in self.generator.pending_jobs) if budget else 0
+        for accepted in self._unbuilt.take(waiting, budget):
             try:
                 self._build(accepted)
             except Exception as exc:
@@ -344,8 +347,3 @@ class ExLlamaV2Engine(Engine):
         if self.graphs is not None:
             self.graphs.uninstall()
         self.loaded.unload()
-
-
-def _prompt_tokens(job: Any) -> int:
-    """The prompt tokens of an exllamav2 job, as the admission budget counts them."""
-    return sum(len(seq.input_ids) for seq in job.sequences)

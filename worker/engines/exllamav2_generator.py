@@ -114,6 +114,11 @@ def gpu_sampleable(job: Any) -> bool:
     )
 
 
+def prompt_tokens(job: Any) -> int:
+    """The prompt tokens of an exllamav2 job, as the admission budget counts them."""
+    return sum(len(seq.input_ids) for seq in job.sequences)
+
+
 class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
     """ExLlamaV2DynamicGenerator whose decode step samples eligible jobs on the GPU
     (gpu_sampling), whose prefill passes run batched (prefill_batch_tokens > 0: the most
@@ -157,10 +162,7 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         if self.admit_prompt_tokens <= 0 or not waiting:
             super().iterate_start_jobs(results)
             return
-        offered = jobs_to_start(
-            (sum(len(seq.input_ids) for seq in job.sequences) for job in waiting),
-            self.admit_prompt_tokens,
-        )
+        offered = jobs_to_start((prompt_tokens(job) for job in waiting), self.admit_prompt_tokens)
         self.pending_jobs = waiting[:offered]
         try:
             super().iterate_start_jobs(results)
