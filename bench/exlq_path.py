@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import subprocess
@@ -10,7 +11,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from bench import thread_clock
 from bench.baselines import IDLE_BEFORE_RUN_S, _summarize, percentiles, random_prompt_ids
@@ -22,6 +23,44 @@ from worker.settings import WorkerSettings
 # The worker's defaults, which every bench gives both its systems unless told otherwise.
 PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].default
 ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
+
+
+def add_engine_options(ap: argparse.ArgumentParser) -> None:
+    """The engine settings a bench gives exlq's engine alike, alone and in the worker."""
+    ap.add_argument("--cache-tokens", type=int, default=65536)
+    ap.add_argument("--sampling-threads", type=int, default=1)
+    ap.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=PREFILL_BATCH_TOKENS,
+        help="batched prefill budget; 0 prefills one job a pass",
+    )
+    ap.add_argument(
+        "--admit-prompt-tokens",
+        type=int,
+        default=ADMIT_PROMPT_TOKENS,
+        help="prompt tokens the jobs one step starts may hold (0: all that fit)",
+    )
+
+
+class EngineOptions(TypedDict):
+    """add_engine_options' values, as the keywords EngineAlone, ExlqPath and the generator
+    benches take."""
+
+    cache_tokens: int
+    sampling_threads: int
+    prefill_batch_tokens: int
+    admit_prompt_tokens: int
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    return {
+        "cache_tokens": args.cache_tokens,
+        "sampling_threads": args.sampling_threads,
+        "prefill_batch_tokens": args.prefill_batch_tokens,
+        "admit_prompt_tokens": args.admit_prompt_tokens,
+    }
+
 
 ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "bench"

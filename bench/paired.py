@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines, thread_clock
-from bench.exlq_path import ADMIT_PROMPT_TOKENS, PREFILL_BATCH_TOKENS, ExlqPath
+from bench.exlq_path import (
+    ADMIT_PROMPT_TOKENS,
+    PREFILL_BATCH_TOKENS,
+    ExlqPath,
+    add_engine_options,
+    engine_options,
+)
 from bench.make_checkpoint import make_checkpoint
 from bench.placement import Placement, on_cpus, placement
 from bench.run import RESULTS, exlq_attention_patch, gpu_name
@@ -87,25 +93,15 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
     biggest = max(args.concurrency)
     runs: list[dict[str, Any]] = []
     with on_cpus(place.server):
-        engine = EngineAlone(
-            model,
-            biggest,
-            args.cache_tokens,
-            args.prefill_batch_tokens,
-            args.sampling_threads,
-            args.admit_prompt_tokens,
-        )
+        engine = EngineAlone(model, biggest, **engine_options(args))
     try:
         with ExlqPath(
             model,
             max_batch_size=biggest,
-            cache_tokens=args.cache_tokens,
             attention="exlq",
-            sampling_threads=args.sampling_threads,
-            prefill_batch_tokens=args.prefill_batch_tokens,
-            admit_prompt_tokens=args.admit_prompt_tokens,
             worker_cpus=place.server,
             redis_cpus=place.load,
+            **engine_options(args),
         ) as path:
             for n in args.concurrency:
                 for repeat in range(args.repeats):
@@ -306,19 +302,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6, help="pairs at each concurrency")
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
-    ap.add_argument("--cache-tokens", type=int, default=65536)
-    ap.add_argument("--sampling-threads", type=int, default=1)
-    ap.add_argument(
-        "--prefill-batch-tokens",
-        type=int,
-        default=PREFILL_BATCH_TOKENS,
-    )
-    ap.add_argument(
-        "--admit-prompt-tokens",
-        type=int,
-        default=ADMIT_PROMPT_TOKENS,
-        help="both systems: prompt tokens the jobs one step starts may hold (0: all that fit)",
-    )
+    add_engine_options(ap)  # both systems alike
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench.exlq_path import ADMIT_PROMPT_TOKENS, PREFILL_BATCH_TOKENS, bench_exlq
+from bench.exlq_path import add_engine_options, bench_exlq, engine_options
 from bench.make_checkpoint import make_checkpoint
 from bench.placement import AUTO_MIN_CPUS, AUTO_SERVER_CPUS, Placement, on_cpus, placement
 
@@ -96,13 +96,10 @@ def run_shape(
             baselines.bench_exllamav2_dynamic(
                 model,
                 n,
-                cache_tokens=args.cache_tokens,
                 attn_patch=exlq_attention_patch,
                 max_batch_size=max(args.concurrency),
-                sampling_threads=args.sampling_threads,
                 exlq_decode=exlq_decode,
-                prefill_batch_tokens=args.prefill_batch_tokens,
-                admit_prompt_tokens=args.admit_prompt_tokens,
+                **engine_options(args),
                 **point,
             )
             for n in args.concurrency
@@ -115,13 +112,10 @@ def run_shape(
         "b": lambda: bench_exlq(
             model,
             args.concurrency,
-            cache_tokens=args.cache_tokens,
             attention="exlq",
-            sampling_threads=args.sampling_threads,
             engine_runner=args.engine_runner,
-            prefill_batch_tokens=args.prefill_batch_tokens,
-            admit_prompt_tokens=args.admit_prompt_tokens,
             worker_cpus=place.server,
+            **engine_options(args),
             **point,
         ),
         "c": lambda: (
@@ -305,11 +299,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32,64,128")
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
-    ap.add_argument("--cache-tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each point, alternating")
     ap.add_argument("--repeat-systems", default="eb", help="systems that repeat")
     ap.add_argument("--ws-window-s", type=float, default=20.0)
-    ap.add_argument("--sampling-threads", type=int, default=1, help="for (a) and (b) alike")
     ap.add_argument("--engine-runner", default="process", help="(b): process or thread")
     ap.add_argument(
         "--worker-cpus",
@@ -318,18 +310,7 @@ def main() -> None:
         "their SMT siblings), or both sides, e.g. 0-3:4-15. auto: "
         f"{AUTO_SERVER_CPUS} CPUs of distinct cores with {AUTO_MIN_CPUS}+ CPUs; all: no placement",
     )
-    ap.add_argument(
-        "--prefill-batch-tokens",
-        type=int,
-        default=PREFILL_BATCH_TOKENS,
-        help="(b) and (e): batched prefill budget; 0 prefills one job a pass",
-    )
-    ap.add_argument(
-        "--admit-prompt-tokens",
-        type=int,
-        default=ADMIT_PROMPT_TOKENS,
-        help="(b) and (e): prompt tokens the jobs one step starts may hold (0: all that fit)",
-    )
+    add_engine_options(ap)  # (a), (b) and (e); prefill and admission for (b) and (e) only
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="appended to the output files' names")
