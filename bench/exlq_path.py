@@ -75,6 +75,8 @@ class WorkerProcess:
         redis_url: str,
         options: dict[str, str],
         cpus: frozenset[int] | None = None,
+        module: str = "producer.cli",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.metrics_port = free_port()
         args = [
@@ -95,8 +97,9 @@ class WorkerProcess:
         self.log = open(log_path, "a")  # noqa: SIM115 - lives with the process
         with on_cpus(cpus):  # the worker inherits this thread's CPUs
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "producer.cli", "worker", *args],
+                [sys.executable, "-m", module, "worker", *args],
                 cwd=ROOT,
+                env=os.environ | (env or {}),
                 stdout=self.log,
                 stderr=subprocess.STDOUT,
             )
@@ -223,7 +226,11 @@ class ExlqPath:
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
+        worker_module: str = "producer.cli",
+        worker_env: dict[str, str] | None = None,
     ) -> None:
+        """``worker_module`` runs the worker's CLI (bench.path_trace runs it traced), with
+        ``worker_env`` added to this process's environment."""
         self.model_dir = Path(model_dir)
         self.options = {
             "--engine": engine,
@@ -238,6 +245,8 @@ class ExlqPath:
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus
         self.redis_cpus = redis_cpus
+        self.worker_module = worker_module
+        self.worker_env = worker_env
         self.load_s = 0.0
         self._redis = RedisServer()
         self._worker: WorkerProcess | None = None
@@ -247,7 +256,12 @@ class ExlqPath:
             self._redis.__enter__()
         try:
             self._worker = WorkerProcess(
-                self.model_dir, self._redis.url, self.options, self.worker_cpus
+                self.model_dir,
+                self._redis.url,
+                self.options,
+                self.worker_cpus,
+                self.worker_module,
+                self.worker_env,
             )
             self.load_s = self._worker.wait_ready()
         except BaseException:

@@ -1,0 +1,343 @@
+"""Where a burst's time goes on the exlq path, beside the engine alone: one timeline a run.
+
+    python -m bench.path_trace --shape 8b --concurrency 64,128 --repeats 2 --out DIR
+
+The two systems run as in `bench.paired` (the engine alone in this process, one
+`exlq worker` kept up, the same new prompts for both, back to back). The worker runs as
+`python -m bench.path_trace worker ...` with EXLQ_PATH_TRACE_DIR set: this module is
+imported first there, and again in the engine process the worker spawns (spawn imports
+the parent's main module), and in both it wraps a few methods of the worker, the engine
+loop and the engine process so that each appends timestamped records to a file of its
+process. The SDK's side (when each job's first event reaches the event connection) and
+the engine alone's steps are recorded in this process. Every time is `perf_counter()`,
+which on Linux is CLOCK_MONOTONIC, one clock for every process of the machine.
+
+The wrappers add a few µs a record, so a traced run is not a measurement of the path's
+cost: `bench.paired` is. This says where in the run the difference between the two sits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+TRACE_ENV = "EXLQ_PATH_TRACE_DIR"
+GROUP = 32  # jobs a group: one admission slice of 256-token prompts
+
+Record = dict[str, Any]
+
+
+class TraceFile:
+    """Records of one process, a JSON line each, written as they happen."""
+
+    def __init__(self, directory: Path) -> None:
+        self._out = open(directory / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def note(self, what: str, **fields: Any) -> None:
+        self._out.write(json.dumps({"t": perf_counter(), "what": what, **fields}) + "\n")
+
+
+def _install_in_worker(trace: TraceFile) -> None:
+    """Wraps the worker's and the engine process's methods; each process runs only its own."""
+    _wrap_worker(trace)
+    _wrap_engine_loop(trace)
+
+
+def _wrap_worker(trace: TraceFile) -> None:
+    from worker import runner
+    from worker.engine_process import EngineProcess
+    from worker.engines.base import TokenChunk
+
+    Worker = runner.Worker
+    accept_piece = Worker._accept_piece
+
+    @functools.wraps(accept_piece)
+    async def traced_accept_piece(self: Any, entries: list[Any]) -> None:
+        trace.note("piece_begin", n=len(entries))
+        await accept_piece(self, entries)
+        trace.note("piece_end")
+
+    commit = Worker.commit
+
+    @functools.wraps(commit)
+    async def traced_commit(self: Any, batch: Any) -> None:
+        trace.note("commit_begin")
+        await commit(self, batch)
+        trace.note("commit_end")
+
+    take_report = Worker._take_report
+
+    @functools.wraps(take_report)
+    def traced_take_report(self: Any, batch: Any, report: Any, ended: list[str]) -> None:
+        firsts = sum(
+            1
+            for o in report.outputs
+            if isinstance(o, TokenChunk)
+            and o.job_id in self.held
+            and self.held[o.job_id].last_token_at is None
+        )
+        trace.note("report_in", outputs=len(report.outputs), firsts=firsts)
+        take_report(self, batch, report, ended)
+
+    hand = EngineProcess.add_many
+
+    @functools.wraps(hand)
+    def traced_hand(self: Any, jobs: list[Any]) -> None:
+        trace.note("hand_begin", n=len(jobs))
+        hand(self, jobs)
+        trace.note("hand_end")
+
+    Worker._accept_piece = traced_accept_piece  # type: ignore[method-assign]
+    Worker.commit = traced_commit  # type: ignore[method-assign]
+    Worker._take_report = traced_take_report  # type: ignore[method-assign]
+    EngineProcess.add_many = traced_hand  # type: ignore[method-assign]
+
+
+def _wrap_engine_loop(trace: TraceFile) -> None:
+    from worker import engine_loop
+    from worker.engines.base import TokenChunk
+
+    Loop = engine_loop.EngineLoop
+    loop_add = Loop.add_many
+
+    @functools.wraps(loop_add)
+    def traced_loop_add(self: Any, jobs: list[Any]) -> None:
+        trace.note("engine_recv", n=len(jobs))  # on the command thread, after unpickling
+        loop_add(self, jobs)
+
+    apply = Loop._apply
+
+    @functools.wraps(apply)
+    def traced_apply(self: Any, commands: list[Any], outputs: list[Any]) -> bool:
+        adds = sum(len(c.jobs) for c in commands if hasattr(c, "jobs"))
+        if not adds:
+            return apply(self, commands, outputs)
+        begin = perf_counter()
+        kept = apply(self, commands, outputs)
+        trace.note("apply", begin=begin, n=adds)
+        return kept
+
+    step = Loop._step
+
+    @functools.wraps(step)
+    def traced_step(self: Any, outputs: list[Any]) -> float:
+        seen: set[str] = self.__dict__.setdefault("_trace_seen", set())
+        before, active, begin = len(outputs), self.engine.active_jobs, perf_counter()
+        seconds = step(self, outputs)
+        new = [o.job_id for o in outputs[before:] if isinstance(o, TokenChunk)]
+        firsts = sum(1 for j in new if j not in seen)
+        seen.update(new)
+        trace.note("step", begin=begin, active=active, outputs=len(new), firsts=firsts)
+        return seconds
+
+    start = Loop.start
+
+    @functools.wraps(start)
+    def traced_start(self: Any, report: Callable[[Any], None]) -> None:
+        def sink(r: Any) -> None:
+            report(r)
+            trace.note("report_sent", outputs=len(r.outputs))
+
+        start(self, sink)
+
+    Loop.add_many = traced_loop_add  # type: ignore[method-assign]
+    Loop._apply = traced_apply  # type: ignore[method-assign]
+    Loop._step = traced_step  # type: ignore[method-assign]
+    Loop.start = traced_start  # type: ignore[method-assign]
+
+
+if os.environ.get(TRACE_ENV):  # the worker, and its engine process
+    _install_in_worker(TraceFile(Path(os.environ[TRACE_ENV])))
+
+
+class BenchTrace:
+    """This process's side: each run's clock start and token times (both systems), the
+    engine alone's steps, and when each exlq job's first event reached the SDK."""
+
+    def __init__(self) -> None:
+        from bench import baselines, exlq_path
+        from producer.subscriber import EventRouter
+
+        self.summaries: list[tuple[float, list[list[float]]]] = []
+        self.engine_steps: list[tuple[float, float]] = []
+        self.sdk_first: dict[str, float] = {}
+
+        def wrap_summarize(inner: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+            @functools.wraps(inner)
+            def summarize(**kw: Any) -> dict[str, Any]:
+                self.summaries.append((kw["t0"], [list(t) for t in kw["token_times"]]))
+                return inner(**kw)
+
+            return summarize
+
+        baselines._summarize = wrap_summarize(baselines._summarize)
+        exlq_path._summarize = wrap_summarize(baselines._summarize.__wrapped__)  # type: ignore[attr-defined]
+
+        record = baselines._StepLog.record
+
+        def traced_record(log: Any, results: Any, ts: float, te: float) -> None:
+            self.engine_steps.append((ts, te))
+            record(log, results, ts, te)
+
+        baselines._StepLog.record = traced_record  # type: ignore[method-assign, assignment]
+
+        push = EventRouter._push
+
+        def traced_push(router: Any, message: list[bytes]) -> None:
+            if message[0] == b"message":
+                self.sdk_first.setdefault(message[1].decode(), perf_counter())
+            push(router, message)
+
+        EventRouter._push = traced_push  # type: ignore[method-assign, assignment]
+
+    def take(self) -> tuple[float, list[list[float]], list[tuple[float, float]], list[float]]:
+        """The last run's clock start, token times, engine steps and SDK first arrivals."""
+        t0, times = self.summaries[-1]
+        steps, self.engine_steps = self.engine_steps, []
+        firsts = sorted(t for t in self.sdk_first.values() if t >= t0)
+        self.sdk_first.clear()
+        return t0, times, steps, firsts
+
+
+def _ms(t: float, t0: float) -> float:
+    return round((t - t0) * 1000, 2)
+
+
+def group_medians(first_token: Sequence[float], t0: float) -> list[float]:
+    """Median first-token time (ms after t0) of each group of GROUP jobs, in submit order."""
+    return [
+        _ms(statistics.median(first_token[g : g + GROUP]), t0)
+        for g in range(0, len(first_token), GROUP)
+    ]
+
+
+def read_worker_trace(directory: Path, t0: float, t_end: float) -> list[Record]:
+    records: list[Record] = []
+    for path in directory.glob("*.jsonl"):
+        pid = int(path.stem)
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if t0 <= r["t"] <= t_end:
+                records.append(r | {"pid": pid})
+    records.sort(key=lambda r: r["t"])
+    return records
+
+
+def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[str, Any]:
+    def at(what: str) -> list[Record]:
+        return [r for r in records if r["what"] == what]
+
+    steps = at("step")[:steps_shown]
+    return {
+        "pieces_begin": [_ms(r["t"], t0) for r in at("piece_begin")],
+        "pieces_handed": [_ms(r["t"], t0) for r in at("hand_end")],
+        "engine_recv": [_ms(r["t"], t0) for r in at("engine_recv")],
+        "engine_apply": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("apply")],
+        "steps": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["active"], r["firsts"]] for r in steps],
+        "reports_sent": [_ms(r["t"], t0) for r in at("report_sent")][:steps_shown],
+        "reports_in": [[_ms(r["t"], t0), r["firsts"]] for r in at("report_in")][:steps_shown],
+        "commits_end": [_ms(r["t"], t0) for r in at("commit_end")][: steps_shown + 4],
+    }
+
+
+def main() -> None:
+    from bench import baselines
+    from bench.exlq_path import ExlqPath, add_engine_options, engine_options
+    from bench.make_checkpoint import make_checkpoint
+    from bench.paired import EngineAlone
+    from bench.placement import on_cpus, placement
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--concurrency", default="8,128")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
+    ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--steps-shown", type=int, default=8)
+    add_engine_options(ap)
+    ap.add_argument("--worker-cpus", default="auto")
+    ap.add_argument("--models", default="/tmp/exlq-models")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    concurrencies = [int(n) for n in args.concurrency.split(",")]
+    place = placement(args.worker_cpus)
+    trace_dir = args.out / f"trace-{args.shape}"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
+    bench_trace = BenchTrace()
+    runs: list[dict[str, Any]] = []
+    with on_cpus(place.server):
+        engine = EngineAlone(model, max(concurrencies), **engine_options(args))
+    try:
+        with ExlqPath(
+            model,
+            max_batch_size=max(concurrencies),
+            attention="exlq",
+            worker_cpus=place.server,
+            redis_cpus=place.load,
+            worker_module="bench.path_trace",
+            worker_env={TRACE_ENV: str(trace_dir)},
+            **engine_options(args),
+        ) as path:
+            for n in concurrencies:
+                for repeat in range(args.repeats):
+                    prompts = baselines.random_prompt_ids(model, n, args.prompt_tokens, 1 + repeat)
+                    warm_up = baselines.random_prompt_ids(
+                        model, n, args.prompt_tokens, 10_001 + repeat
+                    )
+                    with on_cpus(place.server):
+                        row = engine.run(prompts, warm_up, args.max_new_tokens)
+                    t0, times, steps, _ = bench_trace.take()
+                    engine_first = [tt[0] for tt in times]
+                    runs.append(
+                        {
+                            "system": "exlq-engine",
+                            "n": n,
+                            "repeat": repeat,
+                            "ttft_ms_p50": row["ttft_ms_p50"],
+                            "build_ms": row["build_ms"],
+                            "steps": [
+                                [_ms(a, t0), _ms(b, t0)] for a, b in steps[: args.steps_shown]
+                            ],
+                            "first_token_by_group": group_medians(engine_first, t0),
+                        }
+                    )
+                    with on_cpus(place.load):
+                        row = path.run(prompts, warm_up, args.max_new_tokens)
+                    t0, times, _, sdk_first = bench_trace.take()
+                    t_end = t0 + row["wall_s"]
+                    runs.append(
+                        {
+                            "system": "exlq",
+                            "n": n,
+                            "repeat": repeat,
+                            "ttft_ms_p50": row["ttft_ms_p50"],
+                            "first_token_by_group": group_medians([tt[0] for tt in times], t0),
+                            "sdk_first_event_by_group": group_medians(sdk_first, t0),
+                            **exlq_timeline(
+                                read_worker_trace(trace_dir, t0, t_end), t0, args.steps_shown
+                            ),
+                        }
+                    )
+                    for r in runs[-2:]:
+                        print(json.dumps(r), flush=True)
+    finally:
+        engine.close()
+    (args.out / f"path-trace-{args.shape}.json").write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:  # the worker, as `exlq worker` with the wrappers above
+        from producer.cli import main as cli_main
+
+        cli_main()
+    else:
+        main()
