@@ -49,6 +49,35 @@ def _install_in_worker(trace: TraceFile) -> None:
     """Wraps the worker's and the engine process's methods; each process runs only its own."""
     _wrap_worker(trace)
     _wrap_engine_loop(trace)
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:  # the engine process: exllamav2 is here
+        _wrap_engine_internals()
+
+
+# The engine process's step, in parts: building the jobs it starts, and exllamav2's iterate().
+_step_parts: dict[str, float] = {"build_s": 0.0, "iterate_s": 0.0}
+
+
+def _wrap_engine_internals() -> None:
+    from worker.engines.exllamav2_engine import ExLlamaV2Engine
+    from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+
+    def timed(inner: Callable[..., Any], part: str) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def wrapper(*args: Any) -> Any:
+            begin = perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                _step_parts[part] += perf_counter() - begin
+
+        return wrapper
+
+    ExLlamaV2Engine._build_startable = timed(  # type: ignore[method-assign]
+        ExLlamaV2Engine._build_startable, "build_s"
+    )
+    ExlqDynamicGenerator.iterate = timed(ExlqDynamicGenerator.iterate, "iterate_s")  # type: ignore[method-assign]
 
 
 def _wrap_worker(trace: TraceFile) -> None:
@@ -135,7 +164,9 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
         new = [o.job_id for o in outputs[before:] if isinstance(o, TokenChunk)]
         firsts = sum(1 for j in new if j not in seen)
         seen.update(new)
-        trace.note("step", begin=begin, active=active, outputs=len(new), firsts=firsts)
+        parts = {k: round(v * 1000, 2) for k, v in _step_parts.items()}
+        _step_parts.update(build_s=0.0, iterate_s=0.0)
+        trace.note("step", begin=begin, active=active, outputs=len(new), firsts=firsts, **parts)
         return seconds
 
     start = Loop.start
@@ -287,46 +318,42 @@ def main() -> None:
             worker_env={TRACE_ENV: str(trace_dir)},
             **engine_options(args),
         ) as path:
+
+            def run_engine(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
+                with on_cpus(place.server):
+                    row = engine.run(prompts, warm_up, args.max_new_tokens)
+                t0, times, steps, _ = bench_trace.take()
+                return {
+                    "system": "exlq-engine",
+                    "ttft_ms_p50": row["ttft_ms_p50"],
+                    "build_ms": row["build_ms"],
+                    "steps": [[_ms(a, t0), _ms(b, t0)] for a, b in steps[: args.steps_shown]],
+                    "first_token_by_group": group_medians([tt[0] for tt in times], t0),
+                }
+
+            def run_exlq(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
+                with on_cpus(place.load):
+                    row = path.run(prompts, warm_up, args.max_new_tokens)
+                t0, times, _, sdk_first = bench_trace.take()
+                records = read_worker_trace(trace_dir, t0, t0 + row["wall_s"])
+                return {
+                    "system": "exlq",
+                    "ttft_ms_p50": row["ttft_ms_p50"],
+                    "first_token_by_group": group_medians([tt[0] for tt in times], t0),
+                    "sdk_first_event_by_group": group_medians(sdk_first, t0),
+                    **exlq_timeline(records, t0, args.steps_shown),
+                }
+
             for n in concurrencies:
                 for repeat in range(args.repeats):
                     prompts = baselines.random_prompt_ids(model, n, args.prompt_tokens, 1 + repeat)
                     warm_up = baselines.random_prompt_ids(
                         model, n, args.prompt_tokens, 10_001 + repeat
                     )
-                    with on_cpus(place.server):
-                        row = engine.run(prompts, warm_up, args.max_new_tokens)
-                    t0, times, steps, _ = bench_trace.take()
-                    engine_first = [tt[0] for tt in times]
-                    runs.append(
-                        {
-                            "system": "exlq-engine",
-                            "n": n,
-                            "repeat": repeat,
-                            "ttft_ms_p50": row["ttft_ms_p50"],
-                            "build_ms": row["build_ms"],
-                            "steps": [
-                                [_ms(a, t0), _ms(b, t0)] for a, b in steps[: args.steps_shown]
-                            ],
-                            "first_token_by_group": group_medians(engine_first, t0),
-                        }
-                    )
-                    with on_cpus(place.load):
-                        row = path.run(prompts, warm_up, args.max_new_tokens)
-                    t0, times, _, sdk_first = bench_trace.take()
-                    t_end = t0 + row["wall_s"]
-                    runs.append(
-                        {
-                            "system": "exlq",
-                            "n": n,
-                            "repeat": repeat,
-                            "ttft_ms_p50": row["ttft_ms_p50"],
-                            "first_token_by_group": group_medians([tt[0] for tt in times], t0),
-                            "sdk_first_event_by_group": group_medians(sdk_first, t0),
-                            **exlq_timeline(
-                                read_worker_trace(trace_dir, t0, t_end), t0, args.steps_shown
-                            ),
-                        }
-                    )
+                    # In turn, as bench.paired: the second of a pair runs on a warmer GPU.
+                    order = (run_engine, run_exlq) if repeat % 2 == 0 else (run_exlq, run_engine)
+                    for run_system in order:
+                        runs.append(run_system(prompts, warm_up) | {"n": n, "repeat": repeat})
                     for r in runs[-2:]:
                         print(json.dumps(r), flush=True)
     finally:
