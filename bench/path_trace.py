@@ -273,6 +273,8 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         "engine_recv": [_ms(r["t"], t0) for r in at("engine_recv")],
         "engine_apply": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("apply")],
         "steps": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["active"], r["firsts"]] for r in steps],
+        # ms of each step building jobs and in exllamav2's iterate() (the engine process)
+        "step_build_iterate_ms": [[r.get("build_s"), r.get("iterate_s")] for r in steps],
         "reports_sent": [_ms(r["t"], t0) for r in at("report_sent")][:steps_shown],
         "reports_in": [[_ms(r["t"], t0), r["firsts"]] for r in at("report_in")][:steps_shown],
         "commits_end": [_ms(r["t"], t0) for r in at("commit_end")][: steps_shown + 4],
