@@ -238,6 +238,84 @@ class BenchTrace:
         return t0, times, steps, firsts
 
 
+class EngineClassAlone:
+    """The worker's engine class (ExLlamaV2Engine: request checks, job builds in step(),
+    typed outputs) in this process, stepped directly: the engine process without the
+    process, the pipes or the queue."""
+
+    def __init__(self, model: Path, max_batch_size: int, options: dict[str, Any]) -> None:
+        from worker.engines.exllamav2_engine import load_exllamav2_engine
+        from worker.settings import WorkerSettings
+
+        settings = WorkerSettings(
+            model=model, max_batch_size=max_batch_size, attention="exlq", **options
+        )
+        self.engine = load_exllamav2_engine(settings)
+        _wrap_engine_internals()  # times this process's builds and iterate() calls
+
+    def _requests(self, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
+        from producer.protocol import GenerationRequest, Sampling
+
+        return [
+            GenerationRequest(
+                input_ids=ids,
+                max_new_tokens=max_new_tokens,
+                ignore_eos=True,
+                sampling=Sampling(temperature=0.0),
+            )
+            for ids in prompts
+        ]
+
+    def _drain(self, requests: list[Any]) -> tuple[list[list[float]], dict[str, float]]:
+        from worker.engines.base import JobEnded, TokenChunk
+
+        for request in requests:
+            self.engine.add(request.id, request)
+        first: dict[str, float] = {}
+        steps: list[list[float]] = []
+        ended = 0
+        while ended < len(requests):
+            _step_parts.update(build_s=0.0, iterate_s=0.0)
+            begin = perf_counter()
+            outputs = self.engine.step()
+            end = perf_counter()
+            steps.append([begin, end, _step_parts["build_s"], _step_parts["iterate_s"]])
+            for o in outputs:
+                if isinstance(o, TokenChunk):
+                    first.setdefault(o.job_id, end)
+                elif isinstance(o, JobEnded):
+                    ended += 1
+                else:
+                    raise RuntimeError(f"engine error: {o}")
+        return steps, first
+
+    def run(
+        self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int
+    ) -> dict[str, Any]:
+        import time
+
+        from bench.baselines import IDLE_BEFORE_RUN_S
+
+        self._drain(self._requests(warm_up, 8))
+        requests = self._requests(prompts, max_new_tokens)
+        time.sleep(IDLE_BEFORE_RUN_S)
+        t0 = perf_counter()
+        steps, first = self._drain(requests)
+        ttft = sorted(first[r.id] - t0 for r in requests)
+        return {
+            "system": "engine-class",
+            "ttft_ms_p50": round(ttft[len(ttft) // 2] * 1000, 2),
+            "steps": [[_ms(a, t0), _ms(b, t0)] for a, b, _, _ in steps],
+            "step_build_iterate_ms": [
+                [round(c * 1000, 2), round(d * 1000, 2)] for *_, c, d in steps
+            ],
+            "first_token_by_group": group_medians([first[r.id] for r in requests], t0),
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def _ms(t: float, t0: float) -> float:
     return round((t - t0) * 1000, 2)
 
@@ -299,6 +377,11 @@ def main() -> None:
     ap.add_argument("--worker-cpus", default="auto")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--engine-class",
+        action="store_true",
+        help="also run the worker's engine class in this process (EngineClassAlone)",
+    )
     args = ap.parse_args()
     concurrencies = [int(n) for n in args.concurrency.split(",")]
     place = placement(args.worker_cpus)
@@ -309,6 +392,11 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     with on_cpus(place.server):
         engine = EngineAlone(model, max(concurrencies), **engine_options(args))
+        engine_class = (
+            EngineClassAlone(model, max(concurrencies), dict(engine_options(args)))
+            if args.engine_class
+            else None
+        )
     try:
         with ExlqPath(
             model,
@@ -346,6 +434,14 @@ def main() -> None:
                     **exlq_timeline(records, t0, args.steps_shown),
                 }
 
+            def run_class(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
+                assert engine_class is not None
+                with on_cpus(place.server):
+                    row = engine_class.run(prompts, warm_up, args.max_new_tokens)
+                for key in ("steps", "step_build_iterate_ms"):
+                    row[key] = row[key][: args.steps_shown]
+                return row
+
             for n in concurrencies:
                 for repeat in range(args.repeats):
                     prompts = baselines.random_prompt_ids(model, n, args.prompt_tokens, 1 + repeat)
@@ -353,13 +449,16 @@ def main() -> None:
                         model, n, args.prompt_tokens, 10_001 + repeat
                     )
                     # In turn, as bench.paired: the second of a pair runs on a warmer GPU.
-                    order = (run_engine, run_exlq) if repeat % 2 == 0 else (run_exlq, run_engine)
-                    for run_system in order:
+                    systems = [run_engine, run_exlq] + ([run_class] if engine_class else [])
+                    turn = repeat % len(systems)
+                    for run_system in systems[turn:] + systems[:turn]:
                         runs.append(run_system(prompts, warm_up) | {"n": n, "repeat": repeat})
-                    for r in runs[-2:]:
+                    for r in runs[-len(systems) :]:
                         print(json.dumps(r), flush=True)
     finally:
         engine.close()
+        if engine_class is not None:
+            engine_class.close()
     (args.out / f"path-trace-{args.shape}.json").write_text(json.dumps(runs, indent=1))
 
 
