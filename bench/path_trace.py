@@ -51,7 +51,8 @@ def _install_in_worker(trace: TraceFile) -> None:
     _wrap_engine_loop(trace)
     import multiprocessing
 
-    if multiprocessing.parent_process() is not None:  # the engine process: exllamav2 is here
+    # The engine process (spawn names it before it imports this module): exllamav2 is here.
+    if multiprocessing.current_process().name == "exlq-engine":
         _wrap_engine_internals()
 
 
