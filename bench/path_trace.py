@@ -61,8 +61,11 @@ _step_parts: dict[str, float] = {"build_s": 0.0, "iterate_s": 0.0}
 
 
 def _wrap_engine_internals() -> None:
-    from worker.engines.exllamav2_engine import ExLlamaV2Engine
-    from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+    try:
+        from worker.engines.exllamav2_engine import ExLlamaV2Engine
+        from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+    except ImportError:  # no torch here: the echo engine
+        return
 
     def timed(inner: Callable[..., Any], part: str) -> Callable[..., Any]:
         @functools.wraps(inner)
@@ -125,6 +128,19 @@ def _wrap_worker(trace: TraceFile) -> None:
         hand(self, jobs)
         trace.note("hand_end")
 
+    from worker.broker import Broker
+
+    read = Broker.read
+
+    @functools.wraps(read)
+    async def traced_read(self: Any, count: int, block_ms: int | None) -> list[Any]:
+        begin = perf_counter()
+        entries = await read(self, count, block_ms)
+        if entries:
+            trace.note("read", begin=begin, n=len(entries), blocked=block_ms is not None)
+        return entries
+
+    Broker.read = traced_read  # type: ignore[method-assign]
     Worker._accept_piece = traced_accept_piece  # type: ignore[method-assign]
     Worker.commit = traced_commit  # type: ignore[method-assign]
     Worker._take_report = traced_take_report  # type: ignore[method-assign]
@@ -201,6 +217,8 @@ class BenchTrace:
         self.summaries: list[tuple[float, list[list[float]]]] = []
         self.engine_steps: list[tuple[float, float]] = []
         self.sdk_first: dict[str, float] = {}
+        self.sdk_sends: list[tuple[float, float, int]] = []
+        self.last_sends: list[tuple[float, float, int]] = []  # the last exlq run's
 
         def wrap_summarize(inner: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
             @functools.wraps(inner)
@@ -230,12 +248,25 @@ class BenchTrace:
 
         EventRouter._push = traced_push  # type: ignore[method-assign, assignment]
 
+        from producer.submit_batch import SubmitBatcher
+
+        send = SubmitBatcher._send
+
+        async def traced_send(batcher: Any, batch: list[Any]) -> None:
+            begin = perf_counter()
+            await send(batcher, batch)
+            self.sdk_sends.append((begin, perf_counter(), len(batch)))
+
+        SubmitBatcher._send = traced_send  # type: ignore[method-assign, assignment]
+
     def take(self) -> tuple[float, list[list[float]], list[tuple[float, float]], list[float]]:
         """The last run's clock start, token times, engine steps and SDK first arrivals."""
         t0, times = self.summaries[-1]
         steps, self.engine_steps = self.engine_steps, []
         firsts = sorted(t for t in self.sdk_first.values() if t >= t0)
         self.sdk_first.clear()
+        self.last_sends = [(a, b, n) for a, b, n in self.sdk_sends if a >= t0]
+        self.sdk_sends.clear()
         return t0, times, steps, firsts
 
 
@@ -349,6 +380,7 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
 
     steps = at("step")[:steps_shown]
     return {
+        "reads": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("read")][:4],
         "pieces_begin": [_ms(r["t"], t0) for r in at("piece_begin")],
         "pieces_handed": [_ms(r["t"], t0) for r in at("hand_end")],
         "engine_recv": [_ms(r["t"], t0) for r in at("engine_recv")],
@@ -434,6 +466,9 @@ def main() -> None:
                     "ttft_ms_p50": row["ttft_ms_p50"],
                     "first_token_by_group": group_medians([tt[0] for tt in times], t0),
                     "sdk_first_event_by_group": group_medians(sdk_first, t0),
+                    "sdk_sends": [
+                        [_ms(a, t0), _ms(b, t0), k] for a, b, k in bench_trace.last_sends
+                    ],
                     **exlq_timeline(records, t0, args.steps_shown),
                 }
 
