@@ -154,11 +154,13 @@ class Worker:
             try:
                 entries = await self.broker.read(self.free_slots, self.settings.read_block_ms)
                 room = self.free_slots - len(entries)
-                if entries and room > 0:
+                if entries and room > 0 and len(entries) < ACCEPT_PIECE:
                     # A blocked read returns on the first entry of a burst, and slots may
                     # have been freed while it waited: take the rest that has landed
-                    # since, so the engine starts the burst in one pass. If that fails,
-                    # the entries already read still run; the next read meets the error.
+                    # since, so the engine starts the burst in one pass. A full piece
+                    # goes to the engine first (the next read takes what is behind it).
+                    # If that fails, the entries already read still run; the next read
+                    # meets the error.
                     with contextlib.suppress(RedisError):
                         entries += await self.broker.read(room, None)
                 if entries:

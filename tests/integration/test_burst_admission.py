@@ -145,3 +145,37 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     ]
     handed = [job_id for kind, ids in log if kind == "add" for job_id in ids]
     assert handed == [h.id for h in burst]
+
+
+async def test_a_full_piece_goes_to_the_engine_before_the_worker_reads_again(
+    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that brings a whole piece does not wait on one more read for what landed
+    behind it: the engine starts on the piece first, and the next read takes the rest."""
+    from worker.runner import ACCEPT_PIECE
+
+    log: list[tuple[str, int]] = []
+    real_read, real_start = Broker.read, Broker.start_jobs
+
+    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+        entries = await real_read(self, count, block_ms)
+        log.append(("read" if block_ms is not None else "read without waiting", len(entries)))
+        return entries
+
+    async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
+        log.append(("start", len(jobs)))
+        return await real_start(self, jobs)
+
+    monkeypatch.setattr(Broker, "read", read)
+    monkeypatch.setattr(Broker, "start_jobs", start_jobs)
+    count = 2 * ACCEPT_PIECE
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        # The burst is in the stream before the worker's first read.
+        burst = await asyncio.gather(
+            *(producer.submit(f"burst {i}", max_new_tokens=2) for i in range(count))
+        )
+        await start_worker(engine=CountingEngine(capacity=128), max_batch_size=128)
+        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=30)
+    assert [r.state for r in results] == ["done"] * count
+    first_read = log.index(("read", count))
+    assert log[first_read + 1 : first_read + 3] == [("start", ACCEPT_PIECE)] * 2
