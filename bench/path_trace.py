@@ -208,10 +208,12 @@ if os.environ.get(TRACE_ENV):  # the worker, and its engine process
 
 class BenchTrace:
     """This process's side: each run's clock start and token times (both systems), the
-    engine alone's steps, and when each exlq job's first event reached the SDK."""
+    engine alone's steps, and when each exlq job's first event reached the SDK. A context
+    manager: the wrapped functions are put back on exit."""
 
     def __init__(self) -> None:
         from bench import baselines, exlq_path
+        from producer.submit_batch import SubmitBatcher
         from producer.subscriber import EventRouter
 
         self.summaries: list[tuple[float, list[list[float]]]] = []
@@ -219,45 +221,43 @@ class BenchTrace:
         self.sdk_first: dict[str, float] = {}
         self.sdk_sends: list[tuple[float, float, int]] = []
         self.last_sends: list[tuple[float, float, int]] = []  # the last exlq run's
+        summarize, record = baselines._summarize, baselines._StepLog.record
+        push, send = EventRouter._push, SubmitBatcher._send
 
-        def wrap_summarize(inner: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-            @functools.wraps(inner)
-            def summarize(**kw: Any) -> dict[str, Any]:
-                self.summaries.append((kw["t0"], [list(t) for t in kw["token_times"]]))
-                return inner(**kw)
-
-            return summarize
-
-        baselines._summarize = wrap_summarize(baselines._summarize)
-        exlq_path._summarize = wrap_summarize(baselines._summarize.__wrapped__)  # type: ignore[attr-defined]
-
-        record = baselines._StepLog.record
+        def traced_summarize(**kw: Any) -> dict[str, Any]:
+            self.summaries.append((kw["t0"], [list(t) for t in kw["token_times"]]))
+            return summarize(**kw)
 
         def traced_record(log: Any, results: Any, ts: float, te: float) -> None:
             self.engine_steps.append((ts, te))
             record(log, results, ts, te)
-
-        baselines._StepLog.record = traced_record  # type: ignore[method-assign, assignment]
-
-        push = EventRouter._push
 
         def traced_push(router: Any, message: list[bytes]) -> None:
             if message[0] == b"message":
                 self.sdk_first.setdefault(message[1].decode(), perf_counter())
             push(router, message)
 
-        EventRouter._push = traced_push  # type: ignore[method-assign, assignment]
-
-        from producer.submit_batch import SubmitBatcher
-
-        send = SubmitBatcher._send
-
         async def traced_send(batcher: Any, batch: list[Any]) -> None:
             begin = perf_counter()
             await send(batcher, batch)
             self.sdk_sends.append((begin, perf_counter(), len(batch)))
 
-        SubmitBatcher._send = traced_send  # type: ignore[method-assign, assignment]
+        self._wrapped: list[tuple[Any, str, Any, Any]] = [
+            (baselines, "_summarize", summarize, traced_summarize),
+            (exlq_path, "_summarize", summarize, traced_summarize),
+            (baselines._StepLog, "record", record, traced_record),
+            (EventRouter, "_push", push, traced_push),
+            (SubmitBatcher, "_send", send, traced_send),
+        ]
+        for owner, name, _, traced in self._wrapped:
+            setattr(owner, name, traced)
+
+    def __enter__(self) -> BenchTrace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original, _ in self._wrapped:
+            setattr(owner, name, original)
 
     def take(self) -> tuple[float, list[list[float]], list[tuple[float, float]], list[float]]:
         """The last run's clock start, token times, engine steps and SDK first arrivals."""
@@ -423,7 +423,7 @@ def main() -> None:
     trace_dir = args.out / f"trace-{args.shape}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
-    bench_trace = BenchTrace()
+    bench_trace = BenchTrace()  # for the life of this process
     runs: list[dict[str, Any]] = []
     with on_cpus(place.server):
         engine = EngineAlone(model, max(concurrencies), **engine_options(args))
