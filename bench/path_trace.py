@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -35,6 +36,21 @@ GROUP = 32  # jobs a group: one admission slice of 256-token prompts
 Record = dict[str, Any]
 
 
+class GcClock:
+    """A gc callback that hands each collection's start and generation to ``done`` as it
+    ends (collections of a millisecond or more)."""
+
+    def __init__(self, done: Callable[[float, int], None]) -> None:
+        self.done = done
+        self.begin = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.begin = perf_counter()
+        elif perf_counter() - self.begin >= 0.001:
+            self.done(self.begin, info["generation"])
+
+
 class TraceFile:
     """Records of one process, a JSON line each, written as they happen."""
 
@@ -47,6 +63,7 @@ class TraceFile:
 
 def _install_in_worker(trace: TraceFile) -> None:
     """Wraps the worker's and the engine process's methods; each process runs only its own."""
+    gc.callbacks.append(GcClock(lambda begin, gen: trace.note("gc", begin=begin, gen=gen)))
     _wrap_worker(trace)
     _wrap_engine_loop(trace)
     import multiprocessing
@@ -221,6 +238,9 @@ class BenchTrace:
         self.sdk_first: dict[str, float] = {}
         self.sdk_sends: list[tuple[float, float, int]] = []
         self.last_sends: list[tuple[float, float, int]] = []  # the last exlq run's
+        self.gcs: list[tuple[float, float, int]] = []  # this process's, 1 ms or more
+        self._gc_clock = GcClock(lambda b, g: self.gcs.append((b, perf_counter(), g)))
+        gc.callbacks.append(self._gc_clock)
         summarize, record = baselines._summarize, baselines._StepLog.record
         push, send = EventRouter._push, SubmitBatcher._send
 
@@ -258,6 +278,11 @@ class BenchTrace:
     def __exit__(self, *exc: object) -> None:
         for owner, name, original, _ in self._wrapped:
             setattr(owner, name, original)
+        gc.callbacks.remove(self._gc_clock)
+
+    def gc_ms(self, t0: float) -> list[list[float]]:
+        """This process's collections since t0: [start ms, ms, generation]."""
+        return [[_ms(b, t0), round((e - b) * 1000, 2), g] for b, e, g in self.gcs if b >= t0]
 
     def take(self) -> tuple[float, list[list[float]], list[tuple[float, float]], list[float]]:
         """The last run's clock start, token times, engine steps and SDK first arrivals."""
@@ -391,15 +416,64 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         "reports_sent": [_ms(r["t"], t0) for r in at("report_sent")][:steps_shown],
         "reports_in": [[_ms(r["t"], t0), r["firsts"]] for r in at("report_in")][:steps_shown],
         "commits_end": [_ms(r["t"], t0) for r in at("commit_end")][: steps_shown + 4],
+        # collections of 1 ms or more in the worker's processes: [start ms, ms, generation]
+        "worker_gc": [[_ms(r["begin"], t0), _ms(r["t"], r["begin"]), r["gen"]] for r in at("gc")],
     }
 
 
+# The first piece's way through exlq, and its first token's way back: (label, the ms of a
+# run's timeline it reads).
+STAGES: list[tuple[str, Callable[[Record], float]]] = [
+    ("the SDK starts writing the first piece", lambda r: min(a for a, _, _ in r["sdk_sends"])),
+    ("the worker's read returns it", lambda r: r["reads"][0][1]),
+    ("the worker starts on the piece", lambda r: r["pieces_begin"][0]),
+    ("parsed, started in Redis, handed to the pipe", lambda r: r["pieces_handed"][0]),
+    ("the engine process has it", lambda r: r["engine_recv"][0]),
+    ("the engine has added it", lambda r: r["engine_apply"][0][1]),
+    ("the first step begins", lambda r: r["steps"][0][0]),
+    ("the first step ends", lambda r: r["steps"][0][1]),
+    ("its report reaches the worker's event loop", lambda r: r["reports_in"][0][0]),
+    ("its events are in Redis (commit script returns)", lambda r: r["commits_end"][0]),
+    ("the SDK reads the median job's first event", lambda r: r["sdk_first_event_by_group"][0]),
+    ("the median job's stream() yields it", lambda r: r["first_token_by_group"][0]),
+]
+
+
+def stage_table(runs: list[Record]) -> str:
+    """Markdown: the median ms after the burst's start of each stage, per burst size, and
+    the engine alone's first step beside it."""
+    sizes = sorted({r["n"] for r in runs})
+    exlq = {n: [r for r in runs if r["n"] == n and r["system"] == "exlq"] for n in sizes}
+    alone = {n: [r for r in runs if r["n"] == n and r["system"] == "exlq-engine"] for n in sizes}
+
+    def cell(rows: list[Record], read: Callable[[Record], float]) -> str:
+        values = []
+        for r in rows:
+            try:
+                values.append(read(r))
+            except (IndexError, KeyError, ValueError):
+                continue
+        return f"{statistics.median(values):.2f}" if values else "-"
+
+    lines = [
+        "| stage (ms after the burst's first submit, median of the runs) | "
+        + " | ".join(f"{n} jobs ({len(exlq[n])} runs)" for n in sizes)
+        + " |",
+        "|---" * (len(sizes) + 1) + "|",
+    ]
+    for label, read in STAGES:
+        lines.append(f"| exlq: {label} | " + " | ".join(cell(exlq[n], read) for n in sizes) + " |")
+    for label, read in [
+        ("engine alone: its jobs built, the first step begins", lambda r: r["steps"][0][0]),
+        ("engine alone: the first step ends", lambda r: r["steps"][0][1]),
+        ("engine alone: the median job's first token", lambda r: r["first_token_by_group"][0]),
+    ]:
+        lines.append(f"| {label} | " + " | ".join(cell(alone[n], read) for n in sizes) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    from bench import baselines
-    from bench.exlq_path import ExlqPath, add_engine_options, engine_options
-    from bench.make_checkpoint import make_checkpoint
-    from bench.paired import EngineAlone
-    from bench.placement import on_cpus, placement
+    from bench.exlq_path import add_engine_options
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", default="1b")
@@ -411,13 +485,32 @@ def main() -> None:
     add_engine_options(ap)
     ap.add_argument("--worker-cpus", default="auto")
     ap.add_argument("--models", default="/tmp/exlq-models")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="folder for the timelines (and the trace files)")
+    ap.add_argument(
+        "--table", type=Path, metavar="JSON", help="measure nothing: the stage table of a result"
+    )
     ap.add_argument(
         "--engine-class",
         action="store_true",
         help="also run the worker's engine class in this process (EngineClassAlone)",
     )
     args = ap.parse_args()
+    if args.table:
+        print(stage_table(json.loads(args.table.read_text())))
+    elif args.out is None:
+        raise SystemExit("--out is required to measure")
+    else:
+        runs = measure(args)
+        (args.out / f"path-trace-{args.shape}.json").write_text(json.dumps(runs, indent=1))
+
+
+def measure(args: argparse.Namespace) -> list[Record]:
+    from bench import baselines
+    from bench.exlq_path import ExlqPath, engine_options
+    from bench.make_checkpoint import make_checkpoint
+    from bench.paired import EngineAlone
+    from bench.placement import on_cpus, placement
+
     concurrencies = [int(n) for n in args.concurrency.split(",")]
     place = placement(args.worker_cpus)
     trace_dir = args.out / f"trace-{args.shape}"
@@ -452,6 +545,7 @@ def main() -> None:
                     "system": "exlq-engine",
                     "ttft_ms_p50": row["ttft_ms_p50"],
                     "build_ms": row["build_ms"],
+                    "bench_gc": bench_trace.gc_ms(t0),
                     "steps": [[_ms(a, t0), _ms(b, t0)] for a, b in steps[: args.steps_shown]],
                     "first_token_by_group": group_medians([tt[0] for tt in times], t0),
                 }
@@ -466,6 +560,7 @@ def main() -> None:
                     "ttft_ms_p50": row["ttft_ms_p50"],
                     "first_token_by_group": group_medians([tt[0] for tt in times], t0),
                     "sdk_first_event_by_group": group_medians(sdk_first, t0),
+                    "bench_gc": bench_trace.gc_ms(t0),
                     "sdk_sends": [
                         [_ms(a, t0), _ms(b, t0), k] for a, b, k in bench_trace.last_sends
                     ],
@@ -497,7 +592,7 @@ def main() -> None:
         engine.close()
         if engine_class is not None:
             engine_class.close()
-    (args.out / f"path-trace-{args.shape}.json").write_text(json.dumps(runs, indent=1))
+    return runs
 
 
 if __name__ == "__main__":
