@@ -30,7 +30,9 @@ from bench.exlq_path import (
     PREFILL_BATCH_TOKENS,
     ExlqPath,
     add_engine_options,
+    add_gc_option,
     engine_options,
+    freeze_loaded_objects,
 )
 from bench.make_checkpoint import make_checkpoint
 from bench.placement import Placement, on_cpus, placement
@@ -103,6 +105,8 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
             redis_cpus=place.load,
             **engine_options(args),
         ) as path:
+            if args.freeze_gc:
+                freeze_loaded_objects()
             for n in args.concurrency:
                 for repeat in range(args.repeats):
                     # New prompts for every pair: neither prefix cache has seen them.
@@ -303,6 +307,7 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     add_engine_options(ap)  # both systems alike
+    add_gc_option(ap)
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
@@ -323,7 +328,8 @@ def main() -> None:
         "cache_tokens": args.cache_tokens,
         "cpus": place.describe(),
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
-        f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}",
+        f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
+        + (" --freeze-gc" if args.freeze_gc else ""),
     }
     started = time.monotonic()
     runs = measure(args, place)

@@ -473,7 +473,7 @@ def stage_table(runs: list[Record]) -> str:
 
 
 def main() -> None:
-    from bench.exlq_path import add_engine_options
+    from bench.exlq_path import add_engine_options, add_gc_option
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", default="1b")
@@ -483,6 +483,7 @@ def main() -> None:
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps-shown", type=int, default=8)
     add_engine_options(ap)
+    add_gc_option(ap)
     ap.add_argument("--worker-cpus", default="auto")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", type=Path, help="folder for the timelines (and the trace files)")
@@ -506,7 +507,7 @@ def main() -> None:
 
 def measure(args: argparse.Namespace) -> list[Record]:
     from bench import baselines
-    from bench.exlq_path import ExlqPath, engine_options
+    from bench.exlq_path import ExlqPath, engine_options, freeze_loaded_objects
     from bench.make_checkpoint import make_checkpoint
     from bench.paired import EngineAlone
     from bench.placement import on_cpus, placement
@@ -536,6 +537,8 @@ def measure(args: argparse.Namespace) -> list[Record]:
             worker_env={TRACE_ENV: str(trace_dir)},
             **engine_options(args),
         ) as path:
+            if args.freeze_gc:
+                freeze_loaded_objects()
 
             def run_engine(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
                 with on_cpus(place.server):
