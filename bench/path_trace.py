@@ -505,11 +505,31 @@ def main() -> None:
         (args.out / f"path-trace-{args.shape}.json").write_text(json.dumps(runs, indent=1))
 
 
+def _load_in_process(
+    args: argparse.Namespace, model: Path, max_batch_size: int, cpus: frozenset[int] | None
+) -> tuple[Any, EngineClassAlone | None]:
+    """The engine alone (and the engine class, if asked), loaded in this process; then,
+    with --freeze-gc, what they loaded is moved out of the collector's reach."""
+    from bench.exlq_path import engine_options, freeze_loaded_objects
+    from bench.paired import EngineAlone
+    from bench.placement import on_cpus
+
+    with on_cpus(cpus):
+        engine = EngineAlone(model, max_batch_size, **engine_options(args))
+        engine_class = (
+            EngineClassAlone(model, max_batch_size, dict(engine_options(args)))
+            if args.engine_class
+            else None
+        )
+    if args.freeze_gc:
+        freeze_loaded_objects()
+    return engine, engine_class
+
+
 def measure(args: argparse.Namespace) -> list[Record]:
     from bench import baselines
-    from bench.exlq_path import ExlqPath, engine_options, freeze_loaded_objects
+    from bench.exlq_path import ExlqPath, engine_options
     from bench.make_checkpoint import make_checkpoint
-    from bench.paired import EngineAlone
     from bench.placement import on_cpus, placement
 
     concurrencies = [int(n) for n in args.concurrency.split(",")]
@@ -519,13 +539,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
     model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
     bench_trace = BenchTrace()  # for the life of this process
     runs: list[dict[str, Any]] = []
-    with on_cpus(place.server):
-        engine = EngineAlone(model, max(concurrencies), **engine_options(args))
-        engine_class = (
-            EngineClassAlone(model, max(concurrencies), dict(engine_options(args)))
-            if args.engine_class
-            else None
-        )
+    engine, engine_class = _load_in_process(args, model, max(concurrencies), place.server)
     try:
         with ExlqPath(
             model,
@@ -537,8 +551,6 @@ def measure(args: argparse.Namespace) -> list[Record]:
             worker_env={TRACE_ENV: str(trace_dir)},
             **engine_options(args),
         ) as path:
-            if args.freeze_gc:
-                freeze_loaded_objects()
 
             def run_engine(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
                 with on_cpus(place.server):
