@@ -329,7 +329,7 @@ def main() -> None:
         "cpus": place.describe(),
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
-        + (" --freeze-gc" if args.freeze_gc else ""),
+        + ("" if args.freeze_gc else " --no-freeze-gc"),
     }
     started = time.monotonic()
     runs = measure(args, place)
