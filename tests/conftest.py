@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +30,17 @@ from worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 _queue_numbers = itertools.count()
+
+
+@pytest.fixture
+def echo_bench_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A model folder the bench's harness can run the echo engine on (a vocabulary size
+    for its prompts), the bench worker's log kept in tmp_path."""
+    monkeypatch.setenv("EXLQ_BENCH_WORKER_LOG", str(tmp_path / "worker.log"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 32000}))
+    return model
 
 
 @pytest.fixture(scope="session")

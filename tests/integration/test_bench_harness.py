@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -15,12 +14,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, echo_bench_model: Path
 ) -> None:
-    monkeypatch.setenv("EXLQ_BENCH_WORKER_LOG", str(tmp_path / "worker.log"))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 32000}))
+    model = echo_bench_model
     # Placed as bench.paired places them: the worker on the server's CPUs, Redis beside the
     # clients on the load's (one CPU each here; the same one on a one-CPU machine).
     cpus = sorted(os.sched_getaffinity(0))

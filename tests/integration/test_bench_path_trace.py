@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,12 +18,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_traced_run_gives_each_stage_of_the_path_in_order(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, echo_bench_model: Path
 ) -> None:
-    monkeypatch.setenv("EXLQ_BENCH_WORKER_LOG", str(tmp_path / "worker.log"))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 32000}))
+    model = echo_bench_model
     trace_dir = tmp_path / "trace"
     trace_dir.mkdir()
     jobs = ACCEPT_PIECE + 8
