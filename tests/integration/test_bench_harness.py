@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
-    tmp_path: Path, echo_bench_model: Path
+    echo_bench_model: Path,
 ) -> None:
     model = echo_bench_model
     # Placed as bench.paired places them: the worker on the server's CPUs, Redis beside the
