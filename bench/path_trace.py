@@ -28,10 +28,12 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.placement import Placement
 
 TRACE_ENV = "EXLQ_PATH_TRACE_DIR"
-GROUP = 32  # jobs a group: one admission slice of 256-token prompts
 
 Record = dict[str, Any]
 
@@ -235,7 +237,7 @@ class BenchTrace:
 
         self.summaries: list[tuple[float, list[list[float]]]] = []
         self.engine_steps: list[tuple[float, float]] = []
-        self.sdk_first: dict[str, float] = {}
+        self.sdk_first: dict[bytes, float] = {}  # by channel
         self.sdk_sends: list[tuple[float, float, int]] = []
         self.last_sends: list[tuple[float, float, int]] = []  # the last exlq run's
         self.gcs: list[tuple[float, float, int]] = []  # this process's, 1 ms or more
@@ -253,8 +255,8 @@ class BenchTrace:
             record(log, results, ts, te)
 
         def traced_push(router: Any, message: list[bytes]) -> None:
-            if message[0] == b"message":
-                self.sdk_first.setdefault(message[1].decode(), perf_counter())
+            if message[0] == b"message" and message[1] not in self.sdk_first:
+                self.sdk_first[message[1]] = perf_counter()  # a job's first event
             push(router, message)
 
         async def traced_send(batcher: Any, batch: list[Any]) -> None:
@@ -347,11 +349,11 @@ class EngineClassAlone:
         return steps, first
 
     def run(
-        self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int
+        self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int, group: int
     ) -> dict[str, Any]:
         import time
 
-        from bench.baselines import IDLE_BEFORE_RUN_S
+        from bench.baselines import IDLE_BEFORE_RUN_S, percentiles
 
         self._drain(self._requests(warm_up, 8))
         requests = self._requests(prompts, max_new_tokens)
@@ -360,15 +362,14 @@ class EngineClassAlone:
         steps, first = self._drain(requests)
         last = steps[-1][1]  # a job whose text stayed held to the end (random weights)
         made = [first.get(r.id, last) for r in requests]
-        ttft = sorted(t - t0 for t in made)
         return {
             "system": "engine-class",
-            "ttft_ms_p50": round(ttft[len(ttft) // 2] * 1000, 2),
+            "ttft_ms_p50": percentiles([(t - t0) * 1000 for t in made], [50])[0],
             "steps": [[_ms(a, t0), _ms(b, t0)] for a, b, _, _ in steps],
             "step_build_iterate_ms": [
                 [round(c * 1000, 2), round(d * 1000, 2)] for *_, c, d in steps
             ],
-            "first_token_by_group": group_medians(made, t0),
+            "first_token_by_group": group_medians(made, t0, group),
         }
 
     def close(self) -> None:
@@ -379,11 +380,17 @@ def _ms(t: float, t0: float) -> float:
     return round((t - t0) * 1000, 2)
 
 
-def group_medians(first_token: Sequence[float], t0: float) -> list[float]:
-    """Median first-token time (ms after t0) of each group of GROUP jobs, in submit order."""
+def slice_jobs(admit_prompt_tokens: int, prompt_tokens: int, jobs: int) -> int:
+    """Jobs in one admission slice: the budget's worth of prompts (0: no budget, one slice)."""
+    return max(1, admit_prompt_tokens // prompt_tokens) if admit_prompt_tokens else jobs
+
+
+def group_medians(first_token: Sequence[float], t0: float, group: int) -> list[float]:
+    """Median first-token time (ms after t0) of each group of ``group`` jobs (one admission
+    slice), in submit order."""
     return [
-        _ms(statistics.median(first_token[g : g + GROUP]), t0)
-        for g in range(0, len(first_token), GROUP)
+        _ms(statistics.median(first_token[g : g + group]), t0)
+        for g in range(0, len(first_token), group)
     ]
 
 
@@ -526,11 +533,86 @@ def _load_in_process(
     return engine, engine_class
 
 
+class TracedSystems:
+    """Runs one burst on each system and turns what was recorded into its timeline."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        place: Placement,
+        trace_dir: Path,
+        bench_trace: BenchTrace,
+        engine: Any,
+        path: Any,
+        engine_class: EngineClassAlone | None,
+    ) -> None:
+        self.args, self.place, self.bench_trace = args, place, bench_trace
+        self.engine, self.path, self.engine_class = engine, path, engine_class
+        self.trace_dir = trace_dir
+
+    def all(self) -> list[Callable[[list[list[int]], list[list[int]]], Record]]:
+        systems: list[Callable[[list[list[int]], list[list[int]]], Record]] = [
+            self.run_engine,
+            self.run_exlq,
+        ]
+        return systems + ([self.run_class] if self.engine_class else [])
+
+    def _group(self, jobs: int) -> int:
+        return slice_jobs(self.args.admit_prompt_tokens, self.args.prompt_tokens, jobs)
+
+    def run_engine(self, prompts: list[list[int]], warm_up: list[list[int]]) -> Record:
+        from bench.placement import on_cpus
+
+        with on_cpus(self.place.server):
+            row = self.engine.run(prompts, warm_up, self.args.max_new_tokens)
+        t0, times, steps, _ = self.bench_trace.take()
+        return {
+            "system": "exlq-engine",
+            "ttft_ms_p50": row["ttft_ms_p50"],
+            "build_ms": row["build_ms"],
+            "bench_gc": self.bench_trace.gc_ms(t0),
+            "steps": [[_ms(a, t0), _ms(b, t0)] for a, b in steps[: self.args.steps_shown]],
+            "first_token_by_group": group_medians(
+                [tt[0] for tt in times], t0, self._group(len(prompts))
+            ),
+        }
+
+    def run_exlq(self, prompts: list[list[int]], warm_up: list[list[int]]) -> Record:
+        from bench.placement import on_cpus
+
+        with on_cpus(self.place.load):
+            row = self.path.run(prompts, warm_up, self.args.max_new_tokens)
+        t0, times, _, sdk_first = self.bench_trace.take()
+        records = read_worker_trace(self.trace_dir, t0, t0 + row["wall_s"])
+        group = self._group(len(prompts))
+        return {
+            "system": "exlq",
+            "ttft_ms_p50": row["ttft_ms_p50"],
+            "first_token_by_group": group_medians([tt[0] for tt in times], t0, group),
+            "sdk_first_event_by_group": group_medians(sdk_first, t0, group),
+            "bench_gc": self.bench_trace.gc_ms(t0),
+            "sdk_sends": [[_ms(a, t0), _ms(b, t0), k] for a, b, k in self.bench_trace.last_sends],
+            **exlq_timeline(records, t0, self.args.steps_shown),
+        }
+
+    def run_class(self, prompts: list[list[int]], warm_up: list[list[int]]) -> Record:
+        from bench.placement import on_cpus
+
+        assert self.engine_class is not None
+        with on_cpus(self.place.server):
+            row = self.engine_class.run(
+                prompts, warm_up, self.args.max_new_tokens, self._group(len(prompts))
+            )
+        for key in ("steps", "step_build_iterate_ms"):
+            row[key] = row[key][: self.args.steps_shown]
+        return row
+
+
 def measure(args: argparse.Namespace) -> list[Record]:
     from bench import baselines
     from bench.exlq_path import ExlqPath, engine_options
     from bench.make_checkpoint import make_checkpoint
-    from bench.placement import on_cpus, placement
+    from bench.placement import placement
 
     concurrencies = [int(n) for n in args.concurrency.split(",")]
     place = placement(args.worker_cpus)
@@ -538,7 +620,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
     trace_dir.mkdir(parents=True, exist_ok=True)
     model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
     bench_trace = BenchTrace()  # for the life of this process
-    runs: list[dict[str, Any]] = []
+    runs: list[Record] = []
     engine, engine_class = _load_in_process(args, model, max(concurrencies), place.server)
     try:
         with ExlqPath(
@@ -551,45 +633,9 @@ def measure(args: argparse.Namespace) -> list[Record]:
             worker_env={TRACE_ENV: str(trace_dir)},
             **engine_options(args),
         ) as path:
-
-            def run_engine(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
-                with on_cpus(place.server):
-                    row = engine.run(prompts, warm_up, args.max_new_tokens)
-                t0, times, steps, _ = bench_trace.take()
-                return {
-                    "system": "exlq-engine",
-                    "ttft_ms_p50": row["ttft_ms_p50"],
-                    "build_ms": row["build_ms"],
-                    "bench_gc": bench_trace.gc_ms(t0),
-                    "steps": [[_ms(a, t0), _ms(b, t0)] for a, b in steps[: args.steps_shown]],
-                    "first_token_by_group": group_medians([tt[0] for tt in times], t0),
-                }
-
-            def run_exlq(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
-                with on_cpus(place.load):
-                    row = path.run(prompts, warm_up, args.max_new_tokens)
-                t0, times, _, sdk_first = bench_trace.take()
-                records = read_worker_trace(trace_dir, t0, t0 + row["wall_s"])
-                return {
-                    "system": "exlq",
-                    "ttft_ms_p50": row["ttft_ms_p50"],
-                    "first_token_by_group": group_medians([tt[0] for tt in times], t0),
-                    "sdk_first_event_by_group": group_medians(sdk_first, t0),
-                    "bench_gc": bench_trace.gc_ms(t0),
-                    "sdk_sends": [
-                        [_ms(a, t0), _ms(b, t0), k] for a, b, k in bench_trace.last_sends
-                    ],
-                    **exlq_timeline(records, t0, args.steps_shown),
-                }
-
-            def run_class(prompts: list[list[int]], warm_up: list[list[int]]) -> dict[str, Any]:
-                assert engine_class is not None
-                with on_cpus(place.server):
-                    row = engine_class.run(prompts, warm_up, args.max_new_tokens)
-                for key in ("steps", "step_build_iterate_ms"):
-                    row[key] = row[key][: args.steps_shown]
-                return row
-
+            systems = TracedSystems(
+                args, place, trace_dir, bench_trace, engine, path, engine_class
+            ).all()
             for n in concurrencies:
                 for repeat in range(args.repeats):
                     prompts = baselines.random_prompt_ids(model, n, args.prompt_tokens, 1 + repeat)
@@ -597,7 +643,6 @@ def measure(args: argparse.Namespace) -> list[Record]:
                         model, n, args.prompt_tokens, 10_001 + repeat
                     )
                     # In turn, as bench.paired: the second of a pair runs on a warmer GPU.
-                    systems = [run_engine, run_exlq] + ([run_class] if engine_class else [])
                     turn = repeat % len(systems)
                     for run_system in systems[turn:] + systems[:turn]:
                         runs.append(run_system(prompts, warm_up) | {"n": n, "repeat": repeat})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from bench import path_trace
 from bench.baselines import random_prompt_ids
 from bench.exlq_path import ExlqPath
+from bench.placement import Placement
 from producer.submit_batch import SubmitBatcher
 from producer.subscriber import EventRouter
 from worker.runner import ACCEPT_PIECE
@@ -42,6 +44,21 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
         )
         t0, times, _, sdk_first = bench_trace.take()
         sends = bench_trace.last_sends
+        # The same again as `python -m bench.path_trace` records it: slices of 32 prompts.
+        systems = path_trace.TracedSystems(
+            argparse.Namespace(
+                admit_prompt_tokens=32 * 16, prompt_tokens=16, max_new_tokens=4, steps_shown=8
+            ),
+            Placement(server=None, load=None),
+            trace_dir,
+            bench_trace,
+            engine=None,
+            path=path,
+            engine_class=None,
+        )
+        record = systems.run_exlq(
+            random_prompt_ids(model, jobs, 16, seed=3), random_prompt_ids(model, jobs, 16, seed=4)
+        )
     assert (EventRouter._push, SubmitBatcher._send) == originals
     assert row["completion_tokens"] == 4 * jobs
     # Both of the worker's processes wrote their records.
@@ -61,12 +78,26 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
     assert first_step_begin <= timeline["reports_in"][0][0] <= timeline["commits_end"][0]
     # The first step's chunks are the first token of the jobs it ran.
     assert timeline["steps"][0][3] == timeline["steps"][0][2] > 0
-    groups = path_trace.group_medians([tt[0] for tt in times], t0)
+    groups = path_trace.group_medians([tt[0] for tt in times], t0, ACCEPT_PIECE)
     assert len(groups) == 2 and groups[0] <= groups[1]
+    # The recorded run: a median per slice, every stage of the table read, in order.
+    assert len(record["first_token_by_group"]) == 2
+    assert sum(n for *_, n in record["sdk_sends"]) == jobs
+    table = path_trace.stage_table([record | {"n": jobs}])
+    stage_ms = [float(line.split("|")[2]) for line in table.splitlines() if "| exlq:" in line]
+    assert len(stage_ms) == len(path_trace.STAGES)
+    # In order, but for the races of two processes: the engine may note its receipt before
+    # the worker notes its send's end, and the SDK may read an event before the commit's reply.
+    way_in, engine_side = stage_ms[:4], stage_ms[4:10]
+    assert way_in == sorted(way_in) and engine_side == sorted(engine_side)
+    assert stage_ms[2] <= stage_ms[4] and stage_ms[7] <= min(stage_ms[10:])
 
 
 def test_group_medians_are_per_slice_of_jobs_in_submit_order() -> None:
-    # One full group 1 ms apart from t0 + 0 ms, then a group of two.
-    first = [1.0 + i / 1000 for i in range(path_trace.GROUP)] + [2.0, 2.002]
-    assert path_trace.GROUP == 32
-    assert path_trace.group_medians(first, 1.0) == [15.5, 1001.0]
+    # The worker's default budget holds 32 prompts of 256 tokens: one full group 1 ms
+    # apart from t0 + 0 ms, then a group of two.
+    group = path_trace.slice_jobs(8192, 256, jobs=34)
+    assert group == 32
+    first = [1.0 + i / 1000 for i in range(group)] + [2.0, 2.002]
+    assert path_trace.group_medians(first, 1.0, group) == [15.5, 1001.0]
+    assert path_trace.slice_jobs(0, 256, jobs=34) == 34  # no budget: one slice
