@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines, thread_clock
+from bench.cpu_probe import at_equal_speed, probe_ms
 from bench.exlq_path import (
     ADMIT_PROMPT_TOKENS,
     PREFILL_BATCH_TOKENS,
@@ -118,13 +119,18 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
                     )
                     order = ("e", "b") if repeat % 2 == 0 else ("b", "e")
                     for system in order:
+                        with on_cpus(place.server):
+                            before = probe_ms()
                         if system == "e":
                             with on_cpus(place.server):
                                 row = engine.run(prompts, warm_up, args.max_new_tokens)
                         else:
                             with on_cpus(place.load):
                                 row = path.run(prompts, warm_up, args.max_new_tokens)
-                        row.update(repeat=repeat, shape=args.shape)
+                        with on_cpus(place.server):
+                            after = probe_ms()
+                        # How fast the system's CPUs ran Python around this run (cpu_probe).
+                        row.update(cpu_probe_ms=[before, after], repeat=repeat, shape=args.shape)
                         runs.append(row)
                         print(
                             f"{row['system']} n={n} repeat {repeat}: "
@@ -183,6 +189,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "engine_build_ms_median": statistics.median(
                     p["exlq-engine"].get("build_ms", 0.0) for p in whole
                 ),
+                **_at_equal_speed(whole, ratios),
                 # Where each system's stepping thread spent a step (bench.thread_clock).
                 "threads": {
                     f"{system}_{key}": _median_of(whole, system, key)
@@ -192,6 +199,46 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+# Pairs whose two runs' CPU probes agree within this factor count as matched.
+MATCHED_SPEED = 1.10
+
+
+def _probe(run: dict[str, Any]) -> float | None:
+    probes = run.get("cpu_probe_ms")
+    return statistics.fmean(probes) if probes else None
+
+
+def _at_equal_speed(pairs: list[dict[str, dict[str, Any]]], ratios: list[float]) -> dict[str, Any]:
+    """The pairs' figures where both runs met the same CPU speed (bench.cpu_probe): fitted
+    over every pair with probes, and the median of the pairs whose probes agree within
+    MATCHED_SPEED. None where the runs carry no probes (files from before them)."""
+    speeds: list[float] = []
+    tok_ratios: list[float] = []
+    ttft_ratios: list[float] = []
+    for pair, ratio in zip(pairs, ratios, strict=True):
+        engine, exlq = _probe(pair["exlq-engine"]), _probe(pair["exlq"])
+        if engine and exlq:
+            speeds.append(exlq / engine)
+            tok_ratios.append(ratio)
+            ttft_ratios.append(pair["exlq"]["ttft_ms_p50"] / pair["exlq-engine"]["ttft_ms_p50"])
+    matched = [
+        r
+        for r, s in zip(tok_ratios, speeds, strict=True)
+        if 1 / MATCHED_SPEED <= s <= MATCHED_SPEED
+    ]
+    ttft_ratio = at_equal_speed(ttft_ratios, speeds)
+    engine_ttft = statistics.median(p["exlq-engine"]["ttft_ms_p50"] for p in pairs)
+    return {
+        "cpu_speed_ratios": speeds,
+        "ratio_at_equal_speed": at_equal_speed(tok_ratios, speeds),
+        "added_ttft_ms_at_equal_speed": (
+            None if ttft_ratio is None else engine_ttft * (ttft_ratio - 1.0)
+        ),
+        "matched_pairs": len(matched),
+        "ratio_median_matched": statistics.median(matched) if matched else None,
+    }
 
 
 THREAD_FIGURES = (
@@ -229,6 +276,28 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{s['added_ttft_ms_median']:.1f} | "
             + (f"{s['step_ratio_median']:.3f} |" if s["step_ratio_median"] else "- |")
         )
+    if any(s.get("ratio_at_equal_speed") is not None for s in summary):
+        lines += [
+            "",
+            "At equal CPU speed (bench.cpu_probe: the same Python work timed on the system's "
+            "CPUs before and after each run; this machine's CPU speed varies from second to "
+            "second). Fitted: each pair's log ratio against the log ratio of its runs' "
+            f"probes, read where they agree. Matched: the pairs whose probes agree within "
+            f"{MATCHED_SPEED - 1:.0%}.",
+            "",
+            "| N | exlq / engine, fitted | added TTFT p50 ms, fitted | matched pairs | "
+            "exlq / engine, matched median | exlq CPU / engine CPU probe, paired median |",
+            "|---|---|---|---|---|---|",
+        ]
+        for s in summary:
+            speeds = s.get("cpu_speed_ratios") or []
+            lines.append(
+                f"| {s['concurrency']} | {_num(s.get('ratio_at_equal_speed'), 3)} | "
+                f"{_num(s.get('added_ttft_ms_at_equal_speed'), 1)} | "
+                f"{s.get('matched_pairs', 0)} of {len(speeds)} | "
+                f"{_num(s.get('ratio_median_matched'), 3)} | "
+                f"{_num(statistics.median(speeds) if speeds else None, 3)} |"
+            )
     if any(s.get("threads", {}).get("exlq_stepper_run_us_per_step") for s in summary):
         lines += [
             "",

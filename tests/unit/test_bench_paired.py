@@ -98,6 +98,43 @@ def test_the_stepping_threads_figures_are_paired_medians_in_a_table_of_their_own
     assert "| 1 | 950 / 1 / 0.01 | 5 | 1,050 / 30 / 0.50 | 300 |" in table
 
 
+def test_pairs_are_also_read_at_equal_cpu_speed() -> None:
+    runs = []
+    # exlq is 4% slower and 3 ms later at equal speed; each pair's runs met CPUs of
+    # different speeds, and a CPU s times slower (probe s times longer) divides tok/s by s
+    # and multiplies TTFT by s.
+    for repeat, (engine_probe, exlq_probe) in enumerate(
+        [(1.0, 1.5), (1.0, 1.05), (1.6, 1.0), (1.2, 1.2), (1.0, 2.0)]
+    ):
+        alone = _run("exlq-engine", 32, repeat, 6000.0 / engine_probe, 50.0 * engine_probe)
+        exlq = _run("exlq", 32, repeat, 5760.0 / exlq_probe, 53.0 * exlq_probe)
+        alone["cpu_probe_ms"] = [engine_probe, engine_probe]
+        exlq["cpu_probe_ms"] = [exlq_probe * 0.9, exlq_probe * 1.1]  # the mean is the run's
+        runs += [alone, exlq]
+    runs.append(_run("exlq-engine", 32, 9, 6000.0, 50.0))  # no probes: an older file's pair
+    runs.append(_run("exlq", 32, 9, 5760.0, 53.0))
+    [point] = summarize(runs)
+    assert point["ratio_at_equal_speed"] == pytest.approx(0.96)
+    assert point["cpu_speed_ratios"] == pytest.approx([1.5, 1.05, 0.625, 1.0, 2.0])
+    # Matched within 10%: the pairs at 1.05 and 1.0.
+    assert point["matched_pairs"] == 2
+    assert point["ratio_median_matched"] == pytest.approx((0.96 / 1.05 + 0.96) / 2)
+    engine_ttft = point["engine_ttft_ms_p50"]
+    assert point["added_ttft_ms_at_equal_speed"] == pytest.approx(engine_ttft * 0.06)
+    table = markdown([point], META)
+    assert "At equal CPU speed" in table
+    assert f"| 32 | 0.960 | {engine_ttft * 0.06:.1f} | 2 of 5 |" in table
+
+
+def test_runs_without_probes_give_no_equal_speed_table() -> None:
+    runs = [_run("exlq-engine", 8, r, 1000.0, 20.0) for r in range(4)]
+    runs += [_run("exlq", 8, r, 950.0, 22.0) for r in range(4)]
+    [eight] = summarize(runs)
+    assert eight["ratio_at_equal_speed"] is None
+    assert eight["matched_pairs"] == 0
+    assert "At equal CPU speed" not in markdown([eight], META)
+
+
 def test_pooled_calls_keep_their_pairs_apart(tmp_path: Path) -> None:
     meta = {"shape": "1b", "command": "python -m bench.paired --shape 1b", "date": "2026-11-23"}
     # Two calls on different machines, both numbering their repeats from 0.
