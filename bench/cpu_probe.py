@@ -7,8 +7,11 @@ captured decode step replayed in 1.81-1.87 ms, run after run). The engines' step
 host-bound, so a run's tok/s follows the speed its CPU happened to have: the decode step
 of one 32-job run correlated 0.72 with this probe taken around it.
 
-`bench.paired` takes the probe on the system's CPUs right before and right after each run.
-A pair whose two runs met different speeds compares the CPUs as much as the systems;
+The speed moves on each CPU apart from the others (bench.cpu_speed: the quarter-second
+medians of CPUs probed at once correlated 0.0-0.3 with each other's), so a probe speaks
+for its own CPU only. `bench.paired` probes each of the system's CPUs right before and
+right after each run, and keeps the probes of the CPU its stepping thread ran on. A pair
+whose two runs met different speeds compares the CPUs as much as the systems;
 `at_equal_speed` fits the pairs' log ratios against the log ratio of their probes and
 gives the ratio where the probes agree.
 """
@@ -16,9 +19,10 @@ gives the ratio where the probes agree.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 PROBE_LOOPS = 20_000  # about 1 ms of CPython on the H100 machine's CPUs when they run fast
 PROBE_REPEATS = 3
@@ -42,6 +46,19 @@ def probe_ms(loops: int = PROBE_LOOPS, repeats: int = PROBE_REPEATS) -> float:
         _work(loops)
         best = min(best, time.perf_counter() - started)
     return best * 1000.0
+
+
+def probe_each(cpus: Iterable[int]) -> dict[int, float]:
+    """probe_ms on each of these CPUs in turn (the calling thread moved there and back)."""
+    before = os.sched_getaffinity(0)
+    try:
+        out = {}
+        for cpu in sorted(cpus):
+            os.sched_setaffinity(0, {cpu})
+            out[cpu] = probe_ms()
+        return out
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def at_equal_speed(ratios: Sequence[float], speed_ratios: Sequence[float]) -> float | None:

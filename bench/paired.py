@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines, thread_clock
-from bench.cpu_probe import at_equal_speed, probe_ms
+from bench.cpu_probe import at_equal_speed, probe_each
 from bench.exlq_path import (
     ADMIT_PROMPT_TOKENS,
     PREFILL_BATCH_TOKENS,
@@ -95,6 +95,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
     model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
     biggest = max(args.concurrency)
     runs: list[dict[str, Any]] = []
+    system_cpus = place.server or os.sched_getaffinity(0)
     with on_cpus(place.server):
         engine = EngineAlone(model, biggest, **engine_options(args))
     try:
@@ -119,18 +120,20 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
                     )
                     order = ("e", "b") if repeat % 2 == 0 else ("b", "e")
                     for system in order:
-                        with on_cpus(place.server):
-                            before = probe_ms()
+                        before = probe_each(system_cpus)
                         if system == "e":
                             with on_cpus(place.server):
                                 row = engine.run(prompts, warm_up, args.max_new_tokens)
                         else:
                             with on_cpus(place.load):
                                 row = path.run(prompts, warm_up, args.max_new_tokens)
-                        with on_cpus(place.server):
-                            after = probe_ms()
-                        # How fast the system's CPUs ran Python around this run (cpu_probe).
-                        row.update(cpu_probe_ms=[before, after], repeat=repeat, shape=args.shape)
+                        after = probe_each(system_cpus)
+                        row.update(
+                            cpu_probe_ms=_stepper_probes(row, before, after),
+                            cpu_probes_ms={cpu: [before[cpu], after[cpu]] for cpu in before},
+                            repeat=repeat,
+                            shape=args.shape,
+                        )
                         runs.append(row)
                         print(
                             f"{row['system']} n={n} repeat {repeat}: "
@@ -141,6 +144,17 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
     finally:
         engine.close()
     return runs
+
+
+def _stepper_probes(
+    row: dict[str, Any], before: dict[int, float], after: dict[int, float]
+) -> list[float]:
+    """The CPU probes (bench.cpu_probe) around a run, of the CPU its stepping thread ran
+    on; the mean over the system's CPUs where that CPU is unknown."""
+    cpu = row.get("stepper_cpu")
+    if cpu in before and cpu in after:
+        return [before[cpu], after[cpu]]
+    return [statistics.fmean(before.values()), statistics.fmean(after.values())]
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

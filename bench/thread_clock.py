@@ -24,12 +24,14 @@ class ThreadTimes:
     run_ns: int  # on a CPU
     wait_ns: int  # runnable, waiting for a CPU
     preempted: int  # nonvoluntary context switches
+    cpu: int = -1  # the CPU it last ran on (-1: unknown)
 
     def minus(self, earlier: ThreadTimes) -> ThreadTimes:
         return ThreadTimes(
             self.run_ns - earlier.run_ns,
             self.wait_ns - earlier.wait_ns,
             self.preempted - earlier.preempted,
+            self.cpu,
         )
 
 
@@ -100,14 +102,25 @@ def _read(task: Path) -> ThreadTimes | None:
     for line in status.splitlines():
         if line.startswith("nonvoluntary_ctxt_switches:"):
             preempted = int(line.split()[1])
-    return ThreadTimes(run_ns, wait_ns, preempted)
+    return ThreadTimes(run_ns, wait_ns, preempted, _last_cpu(task))
+
+
+def _last_cpu(task: Path) -> int:
+    """Field 39 of the task's stat, `processor`; the name in field 2 may hold spaces and
+    parentheses, so fields are counted from the last ')'."""
+    try:
+        fields = (task / "stat").read_text().rpartition(")")[2].split()
+        return int(fields[39 - 3])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def stepper_figures(
     spent: dict[tuple[int, int], ThreadTimes], steps: int, pid: int | None = None
 ) -> dict[str, float]:
     """Per step of a run: the stepping thread's (the busiest of ``pid``) time on a CPU, its
-    waits for one and its preemptions, and every other thread's CPU time together."""
+    waits for one and its preemptions, and every other thread's CPU time together; and the
+    CPU the stepping thread last ran on (stepper_cpu, -1 if unknown)."""
     if steps <= 0:
         return {}
     stepper = busiest(spent, pid)
@@ -116,4 +129,5 @@ def stepper_figures(
         "stepper_wait_us_per_step": stepper.wait_ns / steps / 1000,
         "stepper_preempted_per_step": stepper.preempted / steps,
         "others_run_us_per_step": (total_run_ns(spent) - stepper.run_ns) / steps / 1000,
+        "stepper_cpu": stepper.cpu,
     }

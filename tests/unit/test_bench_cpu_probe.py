@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import pytest
 
-from bench.cpu_probe import at_equal_speed, probe_ms
+from bench.cpu_probe import at_equal_speed, probe_each, probe_ms
 
 
 def test_the_probe_times_its_work_and_more_work_takes_longer() -> None:
     short = probe_ms(loops=2_000, repeats=3)
     long = probe_ms(loops=200_000, repeats=3)
     assert 0.0 < short < long
+
+
+def test_each_cpu_is_probed_and_the_callers_cpus_are_given_back() -> None:
+    before = os.sched_getaffinity(0)
+    probes = probe_each(before)
+    assert sorted(probes) == sorted(before)
+    assert all(ms > 0 for ms in probes.values())
+    assert os.sched_getaffinity(0) == before
 
 
 def test_the_probe_refuses_an_empty_measurement() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.paired import markdown, pool, summarize
+from bench.paired import _stepper_probes, markdown, pool, summarize
 
 META = {
     "gpu": "GPU",
@@ -124,6 +124,14 @@ def test_pairs_are_also_read_at_equal_cpu_speed() -> None:
     table = markdown([point], META)
     assert "At equal CPU speed" in table
     assert f"| 32 | 0.960 | {engine_ttft * 0.06:.1f} | 2 of 5 |" in table
+
+
+def test_a_runs_probes_are_those_of_its_stepping_threads_cpu() -> None:
+    before, after = {0: 1.0, 1: 2.0}, {0: 1.2, 1: 1.8}
+    assert _stepper_probes({"stepper_cpu": 1}, before, after) == [2.0, 1.8]
+    # The stepping thread's CPU unknown (-1), or outside the probed ones: their mean.
+    for row in ({"stepper_cpu": -1}, {"stepper_cpu": 7}, {}):
+        assert _stepper_probes(row, before, after) == pytest.approx([1.5, 1.5])
 
 
 def test_runs_without_probes_give_no_equal_speed_table() -> None:

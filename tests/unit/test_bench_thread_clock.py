@@ -43,6 +43,19 @@ def test_the_busiest_thread_is_the_one_that_ran_and_its_time_is_counted() -> Non
     assert figures["others_run_us_per_step"] < figures["stepper_run_us_per_step"] / 4
 
 
+def test_the_stepping_threads_cpu_is_the_one_it_was_held_on() -> None:
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        start = thread_clock.snapshot([os.getpid()])
+        _spin(0.05)
+        spent = thread_clock.diff(start, thread_clock.snapshot([os.getpid()]))
+    finally:
+        os.sched_setaffinity(0, before)
+    assert thread_clock.stepper_figures(spent, steps=10)["stepper_cpu"] == cpu
+
+
 def test_a_process_that_is_gone_or_no_steps_gives_nothing() -> None:
     assert thread_clock.snapshot([2**22 + 12345]) == {}  # above Linux's largest pid
     assert thread_clock.stepper_figures({}, steps=0) == {}
