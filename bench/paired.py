@@ -293,9 +293,10 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if any(s.get("ratio_at_equal_speed") is not None for s in summary):
         lines += [
             "",
-            "At equal CPU speed (bench.cpu_probe: the same Python work timed on the system's "
-            "CPUs before and after each run; this machine's CPU speed varies from second to "
-            "second). Fitted: each pair's log ratio against the log ratio of its runs' "
+            "At equal CPU speed (bench.cpu_probe: the same Python work timed on the CPU of "
+            "each run's stepping thread, before and after the run; this machine's CPU speed "
+            "varies from second to second). Fitted: each pair's log ratio against the log "
+            "ratio of its runs' "
             f"probes, read where they agree. Matched: the pairs whose probes agree within "
             f"{MATCHED_SPEED - 1:.0%}.",
             "",
