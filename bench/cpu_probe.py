@@ -8,7 +8,7 @@ host-bound, so a run's tok/s follows the speed its CPU happened to have: the dec
 of one 32-job run correlated 0.72 with this probe taken around it.
 
 The speed moves on each CPU apart from the others (bench.cpu_speed: the quarter-second
-medians of CPUs probed at once correlated 0.0-0.3 with each other's), so a probe speaks
+medians of CPUs probed at once correlated -0.2 to 0.3 with each other's), so a probe speaks
 for its own CPU only. `bench.paired` probes each of the system's CPUs right before and
 right after each run, and keeps the probes of the CPU its stepping thread ran on. A pair
 whose two runs met different speeds compares the CPUs as much as the systems;

@@ -6,7 +6,9 @@ system before the next, so the two runs of a pair are tens of seconds apart, and
 of a shared GPU machine over that time is larger than the 3% being measured. Here the
 engine alone stays loaded in this process and one `exlq worker` stays up, as in service;
 each repeat of a point runs both on the same new prompts, back to back, in alternating
-order, and each pair gives one ratio.
+order, and each pair gives one ratio. The CPU of each run's stepping thread is probed
+before and after it (bench.cpu_probe), and the summary also reads the pairs at equal CPU
+speed: on the virtual machines measured, each CPU's speed moved by up to 2x within seconds.
 
     python -m bench.paired --shape 1b --concurrency 1,8,32,64,128 --repeats 6
     python -m bench.paired --pool call-1.json call-2.json   # the pairs of several calls
