@@ -32,7 +32,7 @@ from producer.batch_script import per_job_script, reply_pairs
 from producer.keys import QueueKeys
 from producer.subscriber import EventRouter
 
-# The most submits one script takes. A worker accepts a burst in pieces of the same size
+# The most submits one script takes. A worker accepts a burst in pieces of this size too
 # (worker.runner.ACCEPT_PIECE): 32 prompts of 256 tokens are the engine's first admission
 # slice. Redis runs nothing else while a script runs: 256 jobs of 256-token prompts took
 # 3.5 ms of it (INFO commandstats, development machine), 64 jobs 0.8 ms.

@@ -23,6 +23,7 @@ from producer.protocol import (
     JobResult,
     parse_request,
 )
+from producer.submit_batch import PIECE_JOBS
 from worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
 from worker.engine_loop import EngineRunner, StepReport
 from worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
@@ -33,12 +34,13 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-# A read's entries reach the engine in pieces of this many jobs: each piece is parsed,
-# started and handed over before the next is parsed, so the engine starts prefilling a
-# burst's first slice (the admission budget's 8,192 tokens hold 32 prompts of 256) while
-# the worker takes in the rest. The whole burst in one piece: the first slice waited for
-# every job to be parsed, started and piped.
-ACCEPT_PIECE = 32
+# A read's entries reach the engine in pieces of this many jobs, the size of the SDK's
+# submit pieces, so one piece written is one piece accepted: each piece is parsed, started
+# and handed over before the next is parsed, so the engine starts prefilling a burst's first
+# slice (the admission budget's 8,192 tokens hold 32 prompts of 256) while the worker takes
+# in the rest. The whole burst in one piece: the first slice waited for every job to be
+# parsed, started and piped.
+ACCEPT_PIECE = PIECE_JOBS
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
