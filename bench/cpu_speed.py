@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cpu_probe import probe_ms
+from bench.placement import parse_cpus
 
 PROBE_EVERY_S = 0.02
 WINDOW_S = 0.25
@@ -119,14 +120,6 @@ def _name(busy: list[int]) -> str:
     return ",".join(map(str, busy)) or "none"
 
 
-def _cpu_list(spec: str) -> list[int]:
-    cpus: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cpus += range(int(lo), int(hi or lo) + 1)
-    return cpus
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seconds", type=float, default=12.0, help="every CPU at once, this long")
@@ -142,7 +135,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     allowed = os.sched_getaffinity(0)
-    busy_sets = [[] if spec == "none" else _cpu_list(spec) for spec in args.busy]
+    busy_sets = [[] if spec == "none" else sorted(parse_cpus(spec)) for spec in args.busy]
     busy_sets = [b for b in busy_sets if set(b) <= allowed and args.probe_cpu not in b]
     every = all_cpus(args.seconds)
     for cpu, figures in sorted(every["cpus"].items()):

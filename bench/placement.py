@@ -73,9 +73,9 @@ def placement(
         if len(server) < AUTO_SERVER_CPUS:  # fewer cores than that: share them
             server |= set(sorted(allowed - server)[: AUTO_SERVER_CPUS - len(server)])
     else:
-        server = _parse(server_spec)
+        server = parse_cpus(server_spec)
     if has_load:
-        load = _parse(load_spec)
+        load = parse_cpus(load_spec)
     else:
         load = allowed - server - _siblings(server, siblings_of)
         if not load:  # every core is the server's: share the siblings
@@ -89,7 +89,7 @@ def smt_siblings(cpu: int) -> frozenset[int]:
     """The CPUs that share cpu's core (cpu included), as Linux lists them; {cpu} if unknown."""
     path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
     try:
-        return frozenset(_parse(path.read_text().strip())) | {cpu}
+        return frozenset(parse_cpus(path.read_text().strip())) | {cpu}
     except (OSError, ValueError):
         return frozenset({cpu})
 
@@ -128,7 +128,8 @@ def on_cpus(cpus: frozenset[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def _parse(spec: str) -> set[int]:
+def parse_cpus(spec: str) -> set[int]:
+    """A Linux CPU list ("0-3,8,10-11") as a set of CPU numbers."""
     cpus: set[int] = set()
     for part in spec.split(","):
         lo, _, hi = part.strip().partition("-")

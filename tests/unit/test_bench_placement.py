@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bench.placement import _parse, _ranges, on_cpus, placement, smt_siblings
+from bench.placement import _ranges, on_cpus, parse_cpus, placement, smt_siblings
 
 needs_affinity = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only"
@@ -14,7 +14,7 @@ needs_affinity = pytest.mark.skipif(
 
 
 def test_lists_and_ranges_round_trip() -> None:
-    assert _parse("0-3,6,8-9") == {0, 1, 2, 3, 6, 8, 9}
+    assert parse_cpus("0-3,6,8-9") == {0, 1, 2, 3, 6, 8, 9}
     assert _ranges({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
 
 
