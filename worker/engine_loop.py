@@ -18,6 +18,7 @@ from worker.engines.base import (
     EngineOutput,
     EngineSetup,
     JobErrored,
+    describe_error,
 )
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class EngineLoop:
             raise
         except Exception as exc:
             log.exception("engine refused job %s", job_id)
-            outputs.append(JobErrored(job_id, "engine_error", _describe(exc)))
+            outputs.append(JobErrored(job_id, "engine_error", describe_error(exc)))
 
     def _step(self, outputs: list[EngineOutput]) -> float:
         jobs = self.engine.active_jobs
@@ -179,7 +180,7 @@ class EngineLoop:
         except Exception as exc:
             # One bad step fails the jobs in it, not the worker.
             log.exception("engine step failed; failing its %d jobs", self.engine.active_jobs)
-            message = _describe(exc)
+            message = describe_error(exc)
             outputs.extend(
                 JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
             )
@@ -192,7 +193,3 @@ class EngineLoop:
 
 def _no_sink(report: StepReport) -> None:
     raise RuntimeError("EngineLoop.start() was not called")
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

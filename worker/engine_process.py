@@ -20,6 +20,7 @@ from worker.engines.base import (
     JobEnded,
     JobErrored,
     TokenChunk,
+    describe_error,
 )
 from worker.settings import WorkerSettings
 
@@ -143,7 +144,7 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
         return
     except Exception as exc:
         log.exception("engine failed to load")
-        reports.send(("unavailable", f"the engine failed to load: {type(exc).__name__}: {exc}"))
+        reports.send(("unavailable", f"the engine failed to load: {describe_error(exc)}"))
         return
     reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
     loop = EngineLoop(engine)

@@ -59,6 +59,11 @@ class EngineSetup:
     admit_prompt_tokens: int = 0  # 0: a step starts every waiting job that fits
 
 
+def describe_error(exc: BaseException) -> str:
+    """An exception as a job's error message: its type and what it says."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 class EngineDead(RuntimeError):
     """The engine can serve nothing more; the process should exit so it is restarted."""
 

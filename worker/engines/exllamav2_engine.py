@@ -33,6 +33,7 @@ from worker.engines.base import (
     JobEnded,
     JobErrored,
     TokenChunk,
+    describe_error,
 )
 from worker.engines.build_queue import Accepted, BuildQueue
 from worker.engines.chat_template import ChatFormatter
@@ -187,9 +188,7 @@ class ExLlamaV2Engine(Engine):
                 self._build(accepted)
             except Exception as exc:
                 log.exception("engine refused job %s", accepted.job_id)
-                failed.append(
-                    JobErrored(accepted.job_id, "engine_error", f"{type(exc).__name__}: {exc}")
-                )
+                failed.append(JobErrored(accepted.job_id, "engine_error", describe_error(exc)))
         return failed
 
     def _build(self, accepted: Accepted[_Checked]) -> None:
