@@ -297,12 +297,13 @@ def exl_load(
     exlq_decode: bool = False,
     prefill_batch_tokens: int = 0,
     admit_prompt_tokens: int = 0,
+    gpu_embedding: bool = False,
 ) -> Any:
     """The model, cache and generator, loaded as the worker loads them
     (worker.engines.exllamav2_load): exllamav2's own generator, or with exlq_decode the one
     exlq's engine runs (GPU sampling, batched prefill of prefill_batch_tokens, steps that
-    start jobs of admit_prompt_tokens prompt tokens together). Returns the LoadedGenerator;
-    its unload() frees it."""
+    start jobs of admit_prompt_tokens prompt tokens together, the embedding table on the GPU
+    with gpu_embedding). Returns the LoadedGenerator; its unload() frees it."""
     loader = importlib.import_module("worker.engines.exllamav2_load")
     return loader.load_generator(
         model_dir,
@@ -311,6 +312,7 @@ def exl_load(
         gpu_sampling=exlq_decode,
         prefill_batch_tokens=prefill_batch_tokens if exlq_decode else 0,
         admit_prompt_tokens=admit_prompt_tokens if exlq_decode else 0,
+        gpu_embedding=gpu_embedding and exlq_decode,
         max_chunk_size=max_chunk_size,
         sampling_threads=sampling_threads,
         paged=paged,
@@ -418,6 +420,7 @@ def bench_exllamav2_dynamic(
     exlq_decode: bool = False,
     prefill_batch_tokens: int = 0,
     admit_prompt_tokens: int = 0,
+    gpu_embedding: bool = False,
 ) -> dict[str, Any]:
     """N jobs enqueued at once into ExLlamaV2DynamicGenerator; greedy; no stop conditions (no EOS).
 
@@ -425,7 +428,8 @@ def bench_exllamav2_dynamic(
     install a flash_attn_with_kvcache stand-in, so that paged mode works without flash-attn).
     exlq_decode runs the generator as exlq's engine does (its GPU sampling, CUDA graphs for
     batch sizes up to N, batched prefill of prefill_batch_tokens, its admission budget of
-    admit_prompt_tokens), without the queue around it.
+    admit_prompt_tokens, the embedding table on the GPU with gpu_embedding), without the
+    queue around it.
     """
     importlib.import_module("exllamav2.generator")  # attn_patch runs after exllamav2 loads
     if attn_patch is not None:
@@ -448,6 +452,7 @@ def bench_exllamav2_dynamic(
             exlq_decode,
             prefill_batch_tokens,
             admit_prompt_tokens,
+            gpu_embedding,
         )
         generator = loaded.generator
         load_s = time.perf_counter() - t_load

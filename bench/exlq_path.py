@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -24,6 +24,7 @@ from worker.settings import WorkerSettings
 # The worker's defaults, which every bench gives both its systems unless told otherwise.
 PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].default
 ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
+GPU_EMBEDDING: bool = WorkerSettings.model_fields["gpu_embedding"].default
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
@@ -41,6 +42,12 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=ADMIT_PROMPT_TOKENS,
         help="prompt tokens the jobs one step starts may hold (0: all that fit)",
+    )
+    ap.add_argument(
+        "--gpu-embedding",
+        action=argparse.BooleanOptionalAction,
+        default=GPU_EMBEDDING,
+        help="the embedding table on the GPU (off: in system memory, as exllamav2 loads it)",
     )
 
 
@@ -72,6 +79,7 @@ class EngineOptions(TypedDict):
     sampling_threads: int
     prefill_batch_tokens: int
     admit_prompt_tokens: int
+    gpu_embedding: bool
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -80,6 +88,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         "sampling_threads": args.sampling_threads,
         "prefill_batch_tokens": args.prefill_batch_tokens,
         "admit_prompt_tokens": args.admit_prompt_tokens,
+        "gpu_embedding": args.gpu_embedding,
     }
 
 
@@ -98,7 +107,9 @@ class WorkerProcess:
         cpus: frozenset[int] | None = None,
         module: str = "producer.cli",
         env: dict[str, str] | None = None,
+        flags: Sequence[str] = (),
     ) -> None:
+        """``options`` are flags with a value; ``flags`` stand alone (--no-gpu-embedding)."""
         self.metrics_port = free_port()
         args = [
             "--model",
@@ -114,6 +125,7 @@ class WorkerProcess:
         ]
         for flag, value in options.items():
             args += [flag, value]
+        args += flags
         log_path = os.environ.get("EXLQ_BENCH_WORKER_LOG", "/tmp/exlq-bench-worker.log")
         self.log = open(log_path, "a")  # noqa: SIM115 - lives with the process
         with on_cpus(cpus):  # the worker inherits this thread's CPUs
@@ -244,6 +256,7 @@ class ExlqPath:
         engine_runner: str = "process",
         prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
         admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
+        gpu_embedding: bool = GPU_EMBEDDING,
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
@@ -263,6 +276,7 @@ class ExlqPath:
             "--prefill-batch-tokens": str(prefill_batch_tokens),
             "--admit-prompt-tokens": str(admit_prompt_tokens),
         }
+        self.flags = ["--gpu-embedding" if gpu_embedding else "--no-gpu-embedding"]
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus
         self.redis_cpus = redis_cpus
@@ -283,6 +297,7 @@ class ExlqPath:
                 self.worker_cpus,
                 self.worker_module,
                 self.worker_env,
+                self.flags,
             )
             self.load_s = self._worker.wait_ready()
         except BaseException:
@@ -371,6 +386,7 @@ def bench_exlq(
     engine_runner: str = "process",
     prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
     admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
+    gpu_embedding: bool = GPU_EMBEDDING,
     worker_cpus: frozenset[int] | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
@@ -385,6 +401,7 @@ def bench_exlq(
         engine_runner=engine_runner,
         prefill_batch_tokens=prefill_batch_tokens,
         admit_prompt_tokens=admit_prompt_tokens,
+        gpu_embedding=gpu_embedding,
         worker_cpus=worker_cpus,
     ) as path:
         for n in concurrencies:

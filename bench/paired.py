@@ -30,6 +30,7 @@ from bench import baselines, thread_clock
 from bench.cpu_probe import at_equal_speed, probe_each
 from bench.exlq_path import (
     ADMIT_PROMPT_TOKENS,
+    GPU_EMBEDDING,
     PREFILL_BATCH_TOKENS,
     ExlqPath,
     add_engine_options,
@@ -55,6 +56,7 @@ class EngineAlone:
         prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
         sampling_threads: int = 1,
         admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
+        gpu_embedding: bool = GPU_EMBEDDING,
     ) -> None:
         importlib.import_module("exllamav2.generator")
         exlq_attention_patch()
@@ -69,6 +71,7 @@ class EngineAlone:
             True,
             prefill_batch_tokens,
             admit_prompt_tokens,
+            gpu_embedding,
         )
         self.generator = self.loaded.generator
         # Readied as the worker's engine readies it.

@@ -41,6 +41,13 @@ GpuSampling = Annotated[
         "--gpu-sampling/--no-gpu-sampling", help="sample on the GPU where the settings allow"
     ),
 ]
+GpuEmbedding = Annotated[
+    bool | None,
+    typer.Option(
+        "--gpu-embedding/--no-gpu-embedding",
+        help="keep the token-embedding table on the GPU (off: in system memory)",
+    ),
+]
 PrefillBatchTokens = Annotated[
     int | None,
     typer.Option(
@@ -89,6 +96,7 @@ def worker(
     sampling_threads: SamplingThreads = None,
     cuda_graphs: CudaGraphs = None,
     gpu_sampling: GpuSampling = None,
+    gpu_embedding: GpuEmbedding = None,
     prefill_batch_tokens: PrefillBatchTokens = None,
     admit_prompt_tokens: AdmitPromptTokens = None,
     log_level: LogLevel = None,
@@ -112,6 +120,7 @@ def worker(
         sampling_threads=sampling_threads,
         cuda_graphs=cuda_graphs,
         gpu_sampling=gpu_sampling,
+        gpu_embedding=gpu_embedding,
         prefill_batch_tokens=prefill_batch_tokens,
         admit_prompt_tokens=admit_prompt_tokens,
         log_level=log_level,
@@ -134,6 +143,7 @@ def up(
     attention: Attention = None,
     cuda_graphs: CudaGraphs = None,
     gpu_sampling: GpuSampling = None,
+    gpu_embedding: GpuEmbedding = None,
     metrics_port: MetricsPort = None,
     echo_tokens_per_second: EchoRate = None,
     log_level: LogLevel = None,
@@ -153,6 +163,7 @@ def up(
         attention=_attention(attention),
         cuda_graphs=cuda_graphs,
         gpu_sampling=gpu_sampling,
+        gpu_embedding=gpu_embedding,
         metrics_port=metrics_port,
         echo_tokens_per_second=echo_tokens_per_second,
         log_level=log_level,

@@ -80,6 +80,7 @@ class Metrics:
                 "gpu_sampling",
                 "prefill_batch_tokens",
                 "admit_prompt_tokens",
+                "gpu_embedding",
             ],
             registry=r,
         )
@@ -117,6 +118,7 @@ class Metrics:
             "on" if setup.gpu_sampling else "off",
             str(setup.prefill_batch_tokens),
             str(setup.admit_prompt_tokens),
+            "on" if setup.gpu_embedding else "off",
         ).set(1)
 
     def job_received(self) -> None:

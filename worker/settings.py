@@ -47,6 +47,12 @@ class WorkerSettings(BaseSettings):
     gpu_sampling: bool = Field(
         True, description="sample greedy/temperature/top_k/min_p jobs on the GPU in one batch"
     )
+    gpu_embedding: bool = Field(
+        True,
+        description="keep the token-embedding table on the GPU (vocab x hidden x 2 bytes, "
+        "1 GB for an 8B Llama 3); off: in system memory as exllamav2 loads it, where each "
+        "prefill pass gathers its rows on the CPU",
+    )
     prefill_batch_tokens: int = Field(
         4096,
         ge=0,

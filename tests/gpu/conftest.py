@@ -35,11 +35,12 @@ def model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
-    """make_generator(exlq=False, max_batch=8, prefill_batch_tokens=0, admit_prompt_tokens=0):
-    a paged generator on exlq's attention over a fresh load of the test model (exlq=True:
-    exlq's subclass with GPU sampling; prefill_batch_tokens > 0: with batched prefill;
-    admit_prompt_tokens > 0: with that budget of prompt tokens for the jobs a step starts);
-    unloaded after the test. The model is `generator.model`."""
+    """make_generator(exlq=False, max_batch=8, prefill_batch_tokens=0, admit_prompt_tokens=0,
+    gpu_embedding=False): a paged generator on exlq's attention over a fresh load of the test
+    model (exlq=True: exlq's subclass with GPU sampling; prefill_batch_tokens > 0: with
+    batched prefill; admit_prompt_tokens > 0: with that budget of prompt tokens for the jobs
+    a step starts; gpu_embedding: the embedding table on the GPU); unloaded after the test.
+    The model is `generator.model`."""
     from worker.engines.exllamav2_attention import install_attention
     from worker.engines.exllamav2_load import LoadedGenerator, load_generator
 
@@ -50,6 +51,7 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
         max_batch: int = 8,
         prefill_batch_tokens: int = 0,
         admit_prompt_tokens: int = 0,
+        gpu_embedding: bool = False,
     ) -> Any:
         install_attention("exlq")
         loaded = load_generator(
@@ -59,7 +61,9 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
             gpu_sampling=exlq,
             prefill_batch_tokens=prefill_batch_tokens,
             admit_prompt_tokens=admit_prompt_tokens,
+            gpu_embedding=gpu_embedding,
         )
+        assert loaded.gpu_embedding == gpu_embedding
         loads.append(loaded)
         return loaded.generator
 

@@ -48,10 +48,15 @@ def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
     return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
 
 
-def test_graph_replay_matches_the_eager_forward_pass(make_generator: Any) -> None:
+@pytest.mark.parametrize("gpu_embedding", [False, True], ids=["table-on-cpu", "table-on-gpu"])
+def test_graph_replay_matches_the_eager_forward_pass(
+    make_generator: Any, gpu_embedding: bool
+) -> None:
+    """With the embedding table on the GPU the graph gathers the rows itself; in system
+    memory it is given rows gathered on the CPU. Either way it computes the eager pass."""
     from worker.engines.exllamav2_graphs import DecodeGraphs
 
-    generator = make_generator(max_batch=8)
+    generator = make_generator(max_batch=8, gpu_embedding=gpu_embedding)
     eager = _generate(generator)
     max_pages = -(-generator.max_seq_len // generator.page_size)
     graphs = DecodeGraphs(
@@ -84,7 +89,8 @@ def test_graph_replay_matches_the_eager_forward_pass(make_generator: Any) -> Non
             top2 = want_logits[same].topk(2).values
             assert (top2[0] - top2[1]).item() <= 2 * diff, f"job {i}: token {same} differs"
     print(
-        f"\ndecode graphs: {len(graphs._graphs)} sizes captured in {seconds:.2f}s, "
+        f"\ndecode graphs (embedding table on the {'GPU' if gpu_embedding else 'CPU'}): "
+        f"{len(graphs._graphs)} sizes captured in {seconds:.2f}s, "
         f"{graphs.replays} replays, max abs logit diff vs eager {worst:.3g}"
     )
 

@@ -28,9 +28,10 @@ def engine(model_dir: Path) -> Any:
     loaded = load_exllamav2_engine(settings)
     print(f"\nexllamav2 engine: attention={loaded.attention} capacity={loaded.capacity}")
     assert loaded.attention in ("exlq", "flash-attn") and loaded.capacity == 16
-    # The defaults hold on one GPU with an fp16 model: graphs, GPU sampling, batched prefill.
+    # The defaults hold on one GPU with an fp16 model: graphs, GPU sampling, the embedding
+    # table on the GPU, batched prefill.
     setup = loaded.setup
-    assert (setup.decode_graphs, setup.gpu_sampling) == (True, True)
+    assert (setup.decode_graphs, setup.gpu_sampling, setup.gpu_embedding) == (True, True, True)
     assert 0 < setup.prefill_batch_tokens <= settings.prefill_batch_tokens
     yield loaded
     loaded.close()

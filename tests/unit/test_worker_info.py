@@ -12,7 +12,7 @@ from worker.metrics import Metrics
 
 def test_worker_info_carries_the_engine_setup() -> None:
     metrics = Metrics("q")
-    metrics.info("1.0", "exllamav2", "llama", EngineSetup("exlq", True, False, 4096, 8192))
+    metrics.info("1.0", "exllamav2", "llama", EngineSetup("exlq", True, False, 4096, 8192, True))
     lines = [
         line
         for line in generate_latest(metrics.registry).decode().splitlines()
@@ -25,6 +25,7 @@ def test_worker_info_carries_the_engine_setup() -> None:
         'gpu_sampling="off"',
         'prefill_batch_tokens="4096"',
         'admit_prompt_tokens="8192"',
+        'gpu_embedding="on"',
         'engine="exllamav2"',
     ):
         assert label in lines[0]

@@ -57,6 +57,7 @@ class EngineSetup:
     gpu_sampling: bool = False
     prefill_batch_tokens: int = 0  # 0: one job a prefill pass
     admit_prompt_tokens: int = 0  # 0: a step starts every waiting job that fits
+    gpu_embedding: bool = False  # the token-embedding table sits on the GPU
 
 
 def describe_error(exc: BaseException) -> str:
@@ -78,6 +79,7 @@ class Engine(ABC):
     gpu_sampling: bool = False
     prefill_batch_tokens: int = 0
     admit_prompt_tokens: int = 0
+    gpu_embedding: bool = False
 
     @property
     def setup(self) -> EngineSetup:
@@ -87,6 +89,7 @@ class Engine(ABC):
             self.gpu_sampling,
             self.prefill_batch_tokens,
             self.admit_prompt_tokens,
+            self.gpu_embedding,
         )
 
     @abstractmethod

@@ -110,7 +110,9 @@ class ExLlamaV2Engine(Engine):
             admit_prompt_tokens=settings.admit_prompt_tokens,
             max_chunk_size=settings.max_chunk_size,
             sampling_threads=settings.sampling_threads,
+            gpu_embedding=settings.gpu_embedding,
         )
+        self.gpu_embedding = self.loaded.gpu_embedding
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.generator = self.loaded.generator
@@ -138,13 +140,14 @@ class ExLlamaV2Engine(Engine):
         self._seeds = random.Random()
         log.info(
             "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
-            "sampling on the %s, prefill %s, %s",
+            "sampling on the %s, embedding table on the %s, prefill %s, %s",
             settings.model.name,
             cache_tokens,
             self.capacity,
             attention,
             "on" if self.decode_graphs else "off",
             "GPU where it can" if self.gpu_sampling else "CPU",
+            "GPU" if self.gpu_embedding else "CPU",
             (
                 f"batched up to {batcher.budget_tokens} tokens a pass"
                 f"{', rows padded' if batcher.padding else ', equal lengths only'}"

@@ -5,8 +5,10 @@ decode step launches ten-odd kernels per layer from Python, and at the batch siz
 runs that host time, not the GPU, sets the step time (docs/PERFORMANCE.md). The dynamic
 generator's decode call has one shape per batch size (one new token per job, paged attention
 through a block table), so it is captured once per batch size at start-up and replayed. What
-varies between steps (the new tokens' embeddings, the block table, the sequence lengths) is
-copied into static buffers the graphs read.
+varies between steps (the new tokens, the block table, the sequence lengths) is copied into
+static buffers the graphs read. The new tokens go in as ids when the embedding table is on
+the GPU (exllamav2_embedding.py; the graph gathers their rows), else as rows gathered on the
+CPU.
 
 Pinned to exllamav2 0.3.2 like the attention hook: another installed version gets no graphs
 (graphs_unsupported_reason says so), tests/gpu/test_decode_graphs.py fails if the decode call
@@ -87,15 +89,21 @@ class DecodeGraphs:
         self._page_size = page_size
         self._graphs: dict[int, Any] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        probe = self._embedding.forward(torch.zeros((1, 1), dtype=torch.long))
-        hidden_shape = (max_batch, 1, probe.shape[-1])
+        # With the embedding table on the GPU (exllamav2_embedding.py) the graph starts from
+        # the token ids and gathers their rows itself; else from the rows, gathered on the CPU.
+        self._embed_in_graph = self._embedding.embedding.weight.device == self._device
+        input_shape: tuple[int, ...] = (max_batch, 1)
+        input_dtype = torch.long
+        if not self._embed_in_graph:
+            probe = self._embedding.forward(torch.zeros((1, 1), dtype=torch.long))
+            input_shape, input_dtype = (max_batch, 1, probe.shape[-1]), probe.dtype
         on_gpu = {"device": self._device}
-        self._hidden = torch.zeros(hidden_shape, dtype=probe.dtype, **on_gpu)
+        self._input = torch.zeros(input_shape, dtype=input_dtype, **on_gpu)
         self._block_index = torch.zeros((max_batch, max_pages), dtype=torch.int32, **on_gpu)
         self._seqlens = torch.zeros((max_batch,), dtype=torch.int32, **on_gpu)
         # Staging in pinned memory, so the copies to the GPU are asynchronous; `_copied` marks
         # when the GPU has read them, before the next step may overwrite them.
-        self._stage_hidden = torch.zeros(hidden_shape, dtype=probe.dtype).pin_memory()
+        self._stage_input = torch.zeros(input_shape, dtype=input_dtype).pin_memory()
         self._stage_block_index = torch.zeros((max_batch, max_pages), dtype=torch.int32)
         self._stage_block_index = self._stage_block_index.pin_memory()
         self._stage_seqlens = torch.zeros((max_batch,), dtype=torch.int32).pin_memory()
@@ -128,7 +136,7 @@ class DecodeGraphs:
         params = self._static_params(batch)
         with torch.cuda.stream(self._stream):
             # Warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture.
-            logits = self._layers_forward(self._hidden[:batch], params)
+            logits = self._step_forward(batch, params)
             if self._logits is None:
                 self._logits = torch.empty(
                     (self.max_batch, *logits.shape[1:]), dtype=logits.dtype, device=self._device
@@ -137,7 +145,7 @@ class DecodeGraphs:
         self._stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            logits = self._layers_forward(self._hidden[:batch], params)
+            logits = self._step_forward(batch, params)
             self._logits[:batch].copy_(logits)
         self._graphs[batch] = graph
 
@@ -157,6 +165,13 @@ class DecodeGraphs:
         params.block_index = self._block_index[:batch]
         params.cache_seqlens = self._seqlens[:batch]
         return params
+
+    def _step_forward(self, batch: int, params: Any) -> Any:
+        """The captured step: from the static input (ids or rows) of `batch` jobs to logits."""
+        x = self._input[:batch]
+        if self._embed_in_graph:
+            x = self._embedding.forward(x)
+        return self._layers_forward(x, params)
 
     def _layers_forward(self, hidden: Any, params: Any) -> Any:
         """Every module after the embedding, as forward_chunk runs them for a decode step."""
@@ -207,16 +222,16 @@ class DecodeGraphs:
     def _replay(self, graph: Any, input_ids: Any, params: Any) -> dict[str, Any]:
         batch = int(input_ids.shape[0])
         width = int(params.block_index.shape[1])
-        hidden = self._embedding.forward(input_ids)
+        step_input = input_ids if self._embed_in_graph else self._embedding.forward(input_ids)
         self._copied.synchronize()
-        self._stage_hidden[:batch].copy_(hidden)
+        self._stage_input[:batch].copy_(step_input)
         self._stage_block_index[:batch, :width].copy_(params.block_index)
         if width < self.max_pages:
             self._stage_block_index[:batch, width:].zero_()
         self._stage_seqlens[:batch].copy_(params.cache_seqlens)
         self._set_streams()
         with self._torch.cuda.stream(self._stream):
-            self._hidden[:batch].copy_(self._stage_hidden[:batch], non_blocking=True)
+            self._input[:batch].copy_(self._stage_input[:batch], non_blocking=True)
             self._block_index[:batch].copy_(self._stage_block_index[:batch], non_blocking=True)
             self._seqlens[:batch].copy_(self._stage_seqlens[:batch], non_blocking=True)
             self._copied.record(self._stream)

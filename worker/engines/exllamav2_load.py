@@ -2,7 +2,8 @@
 warm_up: the one way it readies that generator before the first job.
 
 config -> model scratch sized for the batch -> model -> paged cache -> load_autosplit ->
-tokenizer -> generator (exlq's subclass where its levers are asked for). The worker's
+the embedding table to the GPU (asked for) -> tokenizer -> generator (exlq's subclass where
+its levers are asked for). The worker's
 engine, the benchmarks and the GPU tests all load through here, so what they measure and
 test is what the worker runs. Attention is installed by the caller, before this runs
 (exllamav2_attention.install_attention).
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from worker.engines.exllamav2_embedding import move_embedding_to_gpu
 from worker.engines.exllamav2_generator import make_dynamic_generator, size_model_config
 from worker.engines.exllamav2_graphs import DecodeGraphs, install_decode_graphs
 
@@ -27,6 +29,7 @@ class LoadedGenerator:
     tokenizer: Any  # ExLlamaV2Tokenizer
     generator: Any  # ExLlamaV2DynamicGenerator or ExlqDynamicGenerator
     cache_tokens: int  # what the cache holds, in whole pages
+    gpu_embedding: bool  # the embedding table sits on the GPU
 
     def unload(self) -> None:
         """Stop the generator's thread pools and free the model's GPU memory."""
@@ -48,12 +51,15 @@ def load_generator(
     max_chunk_size: int | None = None,
     sampling_threads: int = 16,
     paged: bool = True,
+    gpu_embedding: bool = False,
 ) -> LoadedGenerator:
     """Load the model in ``model_dir`` with a cache of ``cache_tokens`` (rounded down to whole
     pages, at least one) and a generator for ``max_batch_size`` jobs. ``max_chunk_size``
     (None: exllamav2's default) is held to what the model's scratch allows, in whole pages.
     ``admit_prompt_tokens`` > 0: the jobs one step starts hold at most that many prompt
-    tokens together (exlq's generator).
+    tokens together (exlq's generator). ``gpu_embedding``: the embedding table moves to the
+    GPU where there is room (exllamav2_embedding.py); else it stays in system memory, as
+    exllamav2 loads it.
     """
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
@@ -63,6 +69,7 @@ def load_generator(
     model = ExLlamaV2(config)
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
+    embedding_on_gpu = move_embedding_to_gpu(model) if gpu_embedding else False
     tokenizer = ExLlamaV2Tokenizer(config)
     options: dict[str, Any] = {}
     if max_chunk_size is not None:
@@ -80,7 +87,7 @@ def load_generator(
         max_sampling_threads=sampling_threads,
         **options,
     )
-    return LoadedGenerator(model, cache, tokenizer, generator, cache_tokens)
+    return LoadedGenerator(model, cache, tokenizer, generator, cache_tokens, embedding_on_gpu)
 
 
 @dataclass(frozen=True, slots=True)
