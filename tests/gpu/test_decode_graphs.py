@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.greedy import greedy_tokens_and_logits
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -21,31 +23,11 @@ NEW_TOKENS = [20, 33, 40, 12, 25, 30, 9]
 
 
 def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
-    """Greedy tokens and their logits per job, all jobs batched together."""
     import torch
-    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
     rng = torch.Generator().manual_seed(1)
-    for i, (prompt, new) in enumerate(zip(PROMPT_TOKENS, NEW_TOKENS, strict=True)):
-        ids = torch.randint(3, 32000, (1, prompt), generator=rng)
-        generator.enqueue(
-            ExLlamaV2DynamicJob(
-                input_ids=ids,
-                max_new_tokens=new,
-                stop_conditions=[],
-                gen_settings=ExLlamaV2Sampler.Settings.greedy(),
-                return_logits=True,
-                identifier=i,
-            )
-        )
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPT_TOKENS))}
-    logits: dict[int, list[Any]] = {i: [] for i in range(len(PROMPT_TOKENS))}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.get("stage") == "streaming" and "token_ids" in result:
-                tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
-                logits[result["identifier"]].append(result["logits"][0].float().cpu())
-    return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
+    prompts = [torch.randint(3, 32000, (1, n), generator=rng) for n in PROMPT_TOKENS]
+    return greedy_tokens_and_logits(generator, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("gpu_embedding", [False, True], ids=["table-on-cpu", "table-on-gpu"])

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.greedy import greedy_tokens_and_logits
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -28,29 +30,7 @@ def _prompts() -> list[Any]:
 
 
 def _greedy(generator: Any) -> dict[int, tuple[list[int], Any]]:
-    """Each job's greedy tokens and their logits, the jobs batched together."""
-    import torch
-    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
-
-    for i, ids in enumerate(_prompts()):
-        generator.enqueue(
-            ExLlamaV2DynamicJob(
-                input_ids=ids,
-                max_new_tokens=NEW_TOKENS,
-                stop_conditions=[],
-                gen_settings=ExLlamaV2Sampler.Settings.greedy(),
-                return_logits=True,
-                identifier=i,
-            )
-        )
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
-    logits: dict[int, list[Any]] = {i: [] for i in range(len(PROMPTS))}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.get("stage") == "streaming" and "token_ids" in result:
-                tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
-                logits[result["identifier"]].append(result["logits"][0].float().cpu())
-    return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
+    return greedy_tokens_and_logits(generator, _prompts(), [NEW_TOKENS] * len(PROMPTS))
 
 
 def test_exllamav2_loads_the_table_on_the_cpu_and_gathers_it_in_forward(
