@@ -82,12 +82,12 @@ def move_embedding_to_gpu(model: Any) -> bool:
         return False
     module.embedding.weight = torch.nn.Parameter(on_gpu, requires_grad=False)
     module.set_device_idx(index)
-    on_cpu_forward = module.forward
+    exllamav2_forward = module.forward
 
     def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         # The ids arrive on the CPU from exllamav2's callers; a (batch, tokens) long tensor
         # is small beside the rows it stands for.
-        return on_cpu_forward(hidden_states.to(device, non_blocking=True), *args, **kwargs)
+        return exllamav2_forward(hidden_states.to(device, non_blocking=True), *args, **kwargs)
 
     module.forward = forward
     return True
