@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
+from worker.engines.exllamav2_embedding import embedding_device
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         # With the embedding table on the GPU (exllamav2_embedding.py) the graph starts from
         # the token ids and gathers their rows itself; else from the rows, gathered on the CPU.
-        self._embed_in_graph = self._embedding.embedding.weight.device == self._device
+        self._embed_in_graph = embedding_device(model) == str(self._device)
         input_shape: tuple[int, ...] = (max_batch, 1)
         input_dtype = torch.long
         if not self._embed_in_graph:
