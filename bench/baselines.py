@@ -319,6 +319,17 @@ def exl_load(
     )
 
 
+def pair_prompts(
+    model_dir: str | Path, jobs: int, prompt_tokens: int, repeat: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """A repeat's prompts and its warm-up prompts, new for every repeat and the same for
+    every system of it, so neither system's prefix cache has seen them."""
+    return (
+        random_prompt_ids(model_dir, jobs, prompt_tokens, seed=1 + repeat),
+        random_prompt_ids(model_dir, jobs, prompt_tokens, seed=10_001 + repeat),
+    )
+
+
 def warm_up_jobs(generator: Any, prompts: list[list[int]]) -> None:
     """As many short jobs as the run has, on other prompts: every kernel variant the run
     needs compiles here, and the prefix cache learns nothing of the real prompts."""

@@ -116,13 +116,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
                 freeze_loaded_objects()
             for n in args.concurrency:
                 for repeat in range(args.repeats):
-                    # New prompts for every pair: neither prefix cache has seen them.
-                    prompts = baselines.random_prompt_ids(
-                        model, n, args.prompt_tokens, seed=1 + repeat
-                    )
-                    warm_up = baselines.random_prompt_ids(
-                        model, n, args.prompt_tokens, seed=10_001 + repeat
-                    )
+                    prompts, warm_up = baselines.pair_prompts(model, n, args.prompt_tokens, repeat)
                     order = ("e", "b") if repeat % 2 == 0 else ("b", "e")
                     for system in order:
                         before = probe_each(system_cpus)

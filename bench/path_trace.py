@@ -638,10 +638,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
             ).all()
             for n in concurrencies:
                 for repeat in range(args.repeats):
-                    prompts = baselines.random_prompt_ids(model, n, args.prompt_tokens, 1 + repeat)
-                    warm_up = baselines.random_prompt_ids(
-                        model, n, args.prompt_tokens, 10_001 + repeat
-                    )
+                    prompts, warm_up = baselines.pair_prompts(model, n, args.prompt_tokens, repeat)
                     # In turn, as bench.paired: the second of a pair runs on a warmer GPU.
                     turn = repeat % len(systems)
                     for run_system in systems[turn:] + systems[:turn]:
