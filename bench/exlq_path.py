@@ -25,6 +25,7 @@ from worker.settings import WorkerSettings
 PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].default
 ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
 GPU_EMBEDDING: bool = WorkerSettings.model_fields["gpu_embedding"].default
+OVERLAP_REPORTS: bool = WorkerSettings.model_fields["overlap_reports"].default
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
@@ -48,6 +49,17 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=GPU_EMBEDDING,
         help="the embedding table on the GPU (off: in system memory, as exllamav2 loads it)",
+    )
+
+
+def add_worker_options(ap: argparse.ArgumentParser) -> None:
+    """Settings of the worker alone, which an engine without the queue does not have."""
+    ap.add_argument(
+        "--overlap-reports",
+        action=argparse.BooleanOptionalAction,
+        default=OVERLAP_REPORTS,
+        help="the worker sends a step's tokens while the next step waits for the GPU (off: "
+        "as each step ends)",
     )
 
 
@@ -257,6 +269,7 @@ class ExlqPath:
         prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
         admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
         gpu_embedding: bool = GPU_EMBEDDING,
+        overlap_reports: bool = OVERLAP_REPORTS,
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
@@ -276,7 +289,10 @@ class ExlqPath:
             "--prefill-batch-tokens": str(prefill_batch_tokens),
             "--admit-prompt-tokens": str(admit_prompt_tokens),
         }
-        self.flags = ["--gpu-embedding" if gpu_embedding else "--no-gpu-embedding"]
+        self.flags = [
+            "--gpu-embedding" if gpu_embedding else "--no-gpu-embedding",
+            "--overlap-reports" if overlap_reports else "--no-overlap-reports",
+        ]
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus
         self.redis_cpus = redis_cpus

@@ -35,6 +35,7 @@ from bench.exlq_path import (
     ExlqPath,
     add_engine_options,
     add_gc_option,
+    add_worker_options,
     engine_options,
     freeze_loaded_objects,
 )
@@ -110,6 +111,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
             attention="exlq",
             worker_cpus=place.server,
             redis_cpus=place.load,
+            overlap_reports=args.overlap_reports,
             **engine_options(args),
         ) as path:
             if args.freeze_gc:
@@ -390,6 +392,7 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     add_engine_options(ap)  # both systems alike
+    add_worker_options(ap)
     add_gc_option(ap)
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
     ap.add_argument("--models", default="/tmp/exlq-models")
@@ -412,7 +415,8 @@ def main() -> None:
         "cpus": place.describe(),
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
-        + ("" if args.freeze_gc else " --no-freeze-gc"),
+        + ("" if args.freeze_gc else " --no-freeze-gc")
+        + ("" if args.overlap_reports else " --no-overlap-reports"),
     }
     started = time.monotonic()
     runs = measure(args, place)

@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import perf_counter
@@ -211,7 +212,9 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
     def traced_start(self: Any, report: Callable[[Any], None]) -> None:
         def sink(r: Any) -> None:
             report(r)
-            trace.note("report_sent", outputs=len(r.outputs))
+            # held: ms from the step's end to this send (held for the next step's GPU wait)
+            held = round((time.time() - r.finished_at) * 1000, 3)
+            trace.note("report_sent", outputs=len(r.outputs), held=held)
 
         start(self, sink)
 
@@ -421,6 +424,8 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         # ms of each step building jobs and in exllamav2's iterate() (the engine process)
         "step_build_iterate_ms": [[r.get("build_s"), r.get("iterate_s")] for r in steps],
         "reports_sent": [_ms(r["t"], t0) for r in at("report_sent")][:steps_shown],
+        # ms each report waited between its step's end and its send (--overlap-reports)
+        "reports_held_ms": [r.get("held") for r in at("report_sent")][:steps_shown],
         "reports_in": [[_ms(r["t"], t0), r["firsts"]] for r in at("report_in")][:steps_shown],
         "commits_end": [_ms(r["t"], t0) for r in at("commit_end")][: steps_shown + 4],
         # collections of 1 ms or more in the worker's processes: [start ms, ms, generation]
@@ -480,7 +485,7 @@ def stage_table(runs: list[Record]) -> str:
 
 
 def main() -> None:
-    from bench.exlq_path import add_engine_options, add_gc_option
+    from bench.exlq_path import add_engine_options, add_gc_option, add_worker_options
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", default="1b")
@@ -490,6 +495,7 @@ def main() -> None:
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps-shown", type=int, default=8)
     add_engine_options(ap)
+    add_worker_options(ap)
     add_gc_option(ap)
     ap.add_argument("--worker-cpus", default="auto")
     ap.add_argument("--models", default="/tmp/exlq-models")
@@ -631,6 +637,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
             redis_cpus=place.load,
             worker_module="bench.path_trace",
             worker_env={TRACE_ENV: str(trace_dir)},
+            overlap_reports=args.overlap_reports,
             **engine_options(args),
         ) as path:
             systems = TracedSystems(

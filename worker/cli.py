@@ -48,6 +48,14 @@ GpuEmbedding = Annotated[
         help="keep the token-embedding table on the GPU (off: in system memory)",
     ),
 ]
+OverlapReports = Annotated[
+    bool | None,
+    typer.Option(
+        "--overlap-reports/--no-overlap-reports",
+        help="send a step's tokens while the next step waits for the GPU (first text and "
+        "ends at once)",
+    ),
+]
 PrefillBatchTokens = Annotated[
     int | None,
     typer.Option(
@@ -97,6 +105,7 @@ def worker(
     cuda_graphs: CudaGraphs = None,
     gpu_sampling: GpuSampling = None,
     gpu_embedding: GpuEmbedding = None,
+    overlap_reports: OverlapReports = None,
     prefill_batch_tokens: PrefillBatchTokens = None,
     admit_prompt_tokens: AdmitPromptTokens = None,
     log_level: LogLevel = None,
@@ -121,6 +130,7 @@ def worker(
         cuda_graphs=cuda_graphs,
         gpu_sampling=gpu_sampling,
         gpu_embedding=gpu_embedding,
+        overlap_reports=overlap_reports,
         prefill_batch_tokens=prefill_batch_tokens,
         admit_prompt_tokens=admit_prompt_tokens,
         log_level=log_level,
@@ -144,6 +154,7 @@ def up(
     cuda_graphs: CudaGraphs = None,
     gpu_sampling: GpuSampling = None,
     gpu_embedding: GpuEmbedding = None,
+    overlap_reports: OverlapReports = None,
     metrics_port: MetricsPort = None,
     echo_tokens_per_second: EchoRate = None,
     log_level: LogLevel = None,
@@ -164,6 +175,7 @@ def up(
         cuda_graphs=cuda_graphs,
         gpu_sampling=gpu_sampling,
         gpu_embedding=gpu_embedding,
+        overlap_reports=overlap_reports,
         metrics_port=metrics_port,
         echo_tokens_per_second=echo_tokens_per_second,
         log_level=log_level,

@@ -18,6 +18,7 @@ from worker.engines.base import (
     EngineOutput,
     EngineSetup,
     JobErrored,
+    TokenChunk,
     describe_error,
 )
 
@@ -83,14 +84,20 @@ class EngineLoop:
     """Runs an engine on a thread of its own. Commands come in through a queue; each pass's
     outputs go out through ``report``, which must be thread-safe."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, overlap_reports: bool = True) -> None:
         self.engine = engine
         self.name = engine.name
         self.capacity = engine.capacity
         self.setup = engine.setup
+        self.overlap_reports = overlap_reports
         self._report: ReportSink = _no_sink
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
+        # With overlap_reports, a step's report that only continues streams waits here for the
+        # next step's wait for the GPU (Engine.set_wait_work), and goes out in it.
+        self._held: StepReport | None = None
+        self._held_error: BaseException | None = None
+        self._streaming: set[str] = set()  # jobs whose first text has been reported
 
     def start(self, report: ReportSink) -> None:
         self._report = report
@@ -111,6 +118,8 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self.overlap_reports:
+            self.engine.set_wait_work(self._send_held_in_wait)
         try:
             while True:
                 outputs: list[EngineOutput] = []
@@ -118,10 +127,12 @@ class EngineLoop:
                 if not self._apply(
                     self._take_commands(block=self.engine.active_jobs == 0), outputs
                 ):
+                    self._send_held()
                     return
                 step_seconds = self._step(outputs) if self.engine.active_jobs else None
+                self._send_held()  # if the step did not wait for the GPU
                 if outputs or step_seconds is not None:
-                    self._report(
+                    self._emit(
                         StepReport(
                             outputs,
                             step_seconds,
@@ -131,10 +142,56 @@ class EngineLoop:
                     )
         except EngineDead as exc:
             log.critical("engine is dead: %s", exc)
-            self._report(StepReport([], None, 0, CacheUsage(0, 0), fatal=str(exc)))
+            self._report_fatal(str(exc))
         except BaseException as exc:  # the thread must never die silently
             log.critical("engine loop crashed", exc_info=True)
-            self._report(StepReport([], None, 0, CacheUsage(0, 0), fatal=repr(exc)))
+            self._report_fatal(repr(exc))
+
+    def _report_fatal(self, reason: str) -> None:
+        held, self._held = self._held, None
+        if held is not None and self._held_error is None:
+            self._report(held)  # what was made before comes first
+        self._report(StepReport([], None, 0, CacheUsage(0, 0), fatal=reason))
+
+    def _emit(self, report: StepReport) -> None:
+        """Send the report now, or hold it for the next step's wait for the GPU. A first
+        text, an end and an idle engine go at once: holding them would add to a job's time
+        to first token or to its result, or wait for a step that will not come."""
+        if (
+            self.overlap_reports
+            and not self._starts_or_ends(report.outputs)
+            and self.engine.active_jobs
+        ):
+            self._held = report
+        else:
+            self._report(report)
+
+    def _starts_or_ends(self, outputs: list[EngineOutput]) -> bool:
+        found = False
+        for output in outputs:
+            if isinstance(output, TokenChunk):
+                if output.job_id not in self._streaming:
+                    self._streaming.add(output.job_id)
+                    found = True
+            else:
+                self._streaming.discard(output.job_id)
+                found = True
+        return found
+
+    def _send_held(self) -> None:
+        if self._held_error is not None:  # the sink failed inside the step
+            raise self._held_error
+        report, self._held = self._held, None
+        if report is not None:
+            self._report(report)
+
+    def _send_held_in_wait(self) -> None:
+        """The engine's wait work: the held report, sent while the GPU runs the step. A
+        failing sink must not fail the step's jobs: its error is raised after the step."""
+        try:
+            self._send_held()
+        except BaseException as exc:
+            self._held_error = exc
 
     def _take_commands(self, block: bool) -> list[_Command]:
         commands: list[_Command] = []

@@ -53,6 +53,12 @@ class WorkerSettings(BaseSettings):
         "1 GB for an 8B Llama 3); off: in system memory as exllamav2 loads it, where each "
         "prefill pass gathers its rows on the CPU",
     )
+    overlap_reports: bool = Field(
+        True,
+        description="send a step's tokens while the next step waits for the GPU, except a "
+        "job's first text and its end, which go at once; off: every step's tokens as soon "
+        "as the step ends",
+    )
     prefill_batch_tokens: int = Field(
         4096,
         ge=0,

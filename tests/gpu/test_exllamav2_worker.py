@@ -229,3 +229,45 @@ def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
     assert order == sorted(order) and order[8] > 1  # the second slice starts later
     assert {e.job_id for e in ended} == set(job_ids[:11])
     assert all(e.finish_reason == "length" and e.completion_tokens == 4 for e in ended)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0},  # greedy on the GPU
+        {"temperature": 0.9, "top_k": 40, "seed": 3},  # drawn on the GPU
+        {"temperature": 0.9, "top_p": 0.8, "seed": 3},  # exllamav2's CPU sampler
+    ],
+    ids=["greedy", "gpu-drawn", "cpu-sampled"],
+)
+def test_each_decode_step_runs_the_wait_work_once_and_the_tokens_stay(
+    engine: Any, sampling: dict[str, Any]
+) -> None:
+    """The engine loop's report goes out in the decode step's wait for the GPU: the step
+    runs that work once, whichever sampler its jobs take, and makes the same tokens."""
+    from producer.protocol import GenerationRequest
+
+    def requests() -> dict[str, Any]:
+        return {
+            f"w{n}": GenerationRequest(
+                prompt=f"Story {n}:", max_new_tokens=10, ignore_eos=True, sampling=sampling
+            )
+            for n in range(3)
+        }
+
+    without = _run_on_engine(engine, requests())
+    calls = 0
+
+    def work() -> None:
+        nonlocal calls
+        calls += 1
+
+    replays = engine.graphs.replays
+    engine.set_wait_work(work)
+    try:
+        with_work = _run_on_engine(engine, requests())
+    finally:
+        engine.set_wait_work(None)
+    assert with_work == without
+    decode_steps = engine.graphs.replays - replays
+    assert decode_steps >= 10 and calls == decode_steps

@@ -7,7 +7,14 @@ import threading
 
 from producer.protocol import GenerationRequest, InvalidRequest
 from worker.engine_loop import EngineLoop, StepReport
-from worker.engines.base import CacheUsage, EngineDead, EngineOutput, JobEnded, JobErrored
+from worker.engines.base import (
+    CacheUsage,
+    EngineDead,
+    EngineOutput,
+    JobEnded,
+    JobErrored,
+    TokenChunk,
+)
 from worker.engines.echo import EchoEngine
 
 
@@ -118,3 +125,125 @@ def test_jobs_handed_over_together_start_in_the_same_step() -> None:
     assert engine.jobs_per_step[0] == 12
     assert sum(isinstance(e, JobEnded) for e in ended) == 12
     assert [e.job_id for e in ended if isinstance(e, JobErrored)] == ["bad"]
+
+
+class ScriptedEngine(EchoEngine):
+    """Echo whose steps log when they begin, wait for their "device" and end; a step runs
+    the loop's wait work between its first half and its second when ``waits``."""
+
+    def __init__(self, log: list[str], waits: bool) -> None:
+        super().__init__(capacity=4, tokens_per_second=1e9)  # no pacing pause of its own
+        self.log = log
+        self.waits = waits
+        self.steps = 0
+
+    def step(self) -> list[EngineOutput]:
+        self.steps += 1
+        self.log.append(f"step {self.steps}")
+        if self.waits and self.wait_work is not None:
+            self.wait_work()
+        outputs = super().step()
+        self.log.append(f"end {self.steps}")
+        return outputs
+
+
+def _run_scripted(waits: bool, overlap: bool) -> tuple[list[str], list[StepReport]]:
+    log: list[str] = []
+    reports: list[StepReport] = []
+    done = threading.Event()
+
+    def sink(report: StepReport) -> None:
+        reports.append(report)
+        log.append("report " + " ".join(_describe(o) for o in report.outputs))
+        if any(isinstance(o, JobEnded) for o in report.outputs):
+            done.set()
+
+    loop = EngineLoop(ScriptedEngine(log, waits), overlap_reports=overlap)
+    loop.start(sink)
+    loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
+    assert done.wait(5)
+    loop.stop(5)
+    return log, reports
+
+
+def _describe(output: EngineOutput) -> str:
+    if isinstance(output, TokenChunk):
+        return output.text.strip()
+    return type(output).__name__
+
+
+def test_a_steps_tokens_go_out_in_the_next_steps_wait_for_the_gpu() -> None:
+    log, _ = _run_scripted(waits=True, overlap=True)
+    assert log == [
+        "step 1",
+        "end 1",
+        "report one",  # a job's first text goes at once
+        "step 2",
+        "end 2",  # "two" is held ...
+        "step 3",
+        "report two",  # ... and sent while step 3 waits for the GPU
+        "end 3",
+        "step 4",
+        "report three",
+        "end 4",
+        "report four JobEnded",  # the end goes at once
+    ]
+
+
+def test_held_tokens_go_out_after_the_next_step_when_it_does_not_wait() -> None:
+    log, _ = _run_scripted(waits=False, overlap=True)
+    assert log == [
+        "step 1",
+        "end 1",
+        "report one",
+        "step 2",
+        "end 2",
+        "step 3",
+        "end 3",
+        "report two",  # before step 3's own
+        "step 4",
+        "end 4",
+        "report three",
+        "report four JobEnded",
+    ]
+
+
+def test_without_overlap_each_step_reports_as_it_ends() -> None:
+    log, _ = _run_scripted(waits=True, overlap=False)
+    assert log == [
+        "step 1",
+        "end 1",
+        "report one",
+        "step 2",
+        "end 2",
+        "report two",
+        "step 3",
+        "end 3",
+        "report three",
+        "step 4",
+        "end 4",
+        "report four JobEnded",
+    ]
+
+
+def test_a_sink_that_fails_in_the_wait_ends_the_loop_without_failing_the_jobs() -> None:
+    reports: list[StepReport] = []
+    fatal = threading.Event()
+    calls = 0
+
+    def sink(report: StepReport) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first held report, sent inside step 3
+            raise BrokenPipeError("the worker is gone")
+        reports.append(report)
+        if report.fatal is not None:
+            fatal.set()
+
+    loop = EngineLoop(ScriptedEngine([], waits=True), overlap_reports=True)
+    loop.start(sink)
+    loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
+    assert fatal.wait(5)
+    outputs = [o for r in reports for o in r.outputs]
+    assert not any(isinstance(o, JobErrored) for o in outputs)
+    assert "BrokenPipeError" in (reports[-1].fatal or "")

@@ -10,17 +10,21 @@ from producer.cli import app
 from worker.cli import load_settings
 
 
-def test_cuda_graphs_gpu_sampling_and_gpu_embedding_default_on() -> None:
+def test_cuda_graphs_gpu_sampling_gpu_embedding_and_overlap_reports_default_on() -> None:
     settings = load_settings(engine="echo")
     assert settings.cuda_graphs and settings.gpu_sampling and settings.gpu_embedding
+    assert settings.overlap_reports
 
 
 def test_variables_turn_them_off_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXLQ_CUDA_GRAPHS", "false")
     monkeypatch.setenv("EXLQ_GPU_SAMPLING", "0")
     monkeypatch.setenv("EXLQ_GPU_EMBEDDING", "no")
+    monkeypatch.setenv("EXLQ_OVERLAP_REPORTS", "false")
     settings = load_settings(engine="echo")
     assert not settings.cuda_graphs and not settings.gpu_sampling and not settings.gpu_embedding
+    assert not settings.overlap_reports
+    assert load_settings(engine="echo", overlap_reports=True).overlap_reports
     assert load_settings(engine="echo", cuda_graphs=True).cuda_graphs
     assert load_settings(engine="echo", gpu_embedding=True).gpu_embedding
 
@@ -42,6 +46,7 @@ def test_worker_and_up_offer_the_flags() -> None:
         assert "--no-cuda-graphs" in result.output, command
         assert "--no-gpu-embedding" in result.output, command
         assert "--no-gpu-sampling" in result.output, command
+        assert "--no-overlap-reports" in result.output, command
     worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
     assert "--prefill-batch-tokens" in worker_help
     assert "--admit-prompt-tokens" in worker_help

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from producer.protocol import FinishReason, GenerationRequest, TokenChoices
@@ -80,6 +81,7 @@ class Engine(ABC):
     prefill_batch_tokens: int = 0
     admit_prompt_tokens: int = 0
     gpu_embedding: bool = False
+    wait_work: Callable[[], None] | None = None
 
     @property
     def setup(self) -> EngineSetup:
@@ -103,6 +105,13 @@ class Engine(ABC):
     @abstractmethod
     def step(self) -> list[EngineOutput]:
         """Run one iteration for every active job and return what it produced."""
+
+    def set_wait_work(self, work: Callable[[], None] | None) -> None:
+        """Work a step may run on the engine thread while it waits for its device: once the
+        step's forward pass is queued on the GPU, before the wait for its result. It must not
+        raise. The engine loop sends the previous step's report there; an engine that never
+        waits may leave it, and the loop runs it after the step."""
+        self.wait_work = work
 
     @abstractmethod
     def abort_all(self) -> list[str]:

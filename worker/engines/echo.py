@@ -91,6 +91,10 @@ class EchoEngine(Engine):
 
     def _pace(self) -> None:
         now = time.monotonic()
+        if self._next_step_at > now and self.wait_work is not None:
+            # Its pause stands for a GPU's forward pass: the loop's work may run in it.
+            self.wait_work()
+            now = time.monotonic()
         if self._next_step_at > now:
             time.sleep(self._next_step_at - now)
         self._next_step_at = max(now, self._next_step_at) + self.step_seconds

@@ -14,6 +14,7 @@ import array
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -268,6 +269,13 @@ class ExLlamaV2Engine(Engine):
             return None
         self.generator.cancel(entry.job)
         return JobEnded(job_id, "cancelled", entry.prompt_tokens, int(entry.job.new_tokens))
+
+    def set_wait_work(self, work: Callable[[], None] | None) -> None:
+        """exlq's generator runs it in the decode step, once the GPU has the forward pass
+        and the sampling queued, before it waits for the sampled tokens."""
+        self.wait_work = work
+        if hasattr(self.generator, "wait_work"):
+            self.generator.wait_work = work
 
     def step(self) -> list[EngineOutput]:
         outputs = self._build_startable()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,6 +142,8 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         self.gpu_sampling = gpu_sampling
         self.gpu_sampled = 0
         self.cpu_sampled = 0
+        # Run while a decode step waits for the GPU (Engine.set_wait_work), if set.
+        self.wait_work: Callable[[], None] | None = None
         if gpu_sampling:
             # exllamav2 allocates this buffer in pageable memory despite its name, and the
             # copy of a step's logits into it took 1.1 ms at 64 jobs; pinned, the GPU writes
@@ -326,6 +329,8 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             )
         host_logits = None
         if len(gpu_jobs) < len(jobs):
+            if not gpu_jobs and self.wait_work is not None:
+                self.wait_work()
             host_logits = self.logits_pinned[: device_logits.shape[0], : device_logits.shape[1], :]
             host_logits.copy_(device_logits, non_blocking=False)
         completed = []
@@ -366,5 +371,6 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             # so a seeded job repeats itself.
             uniform=[jobs[i].rng.random() for i in indices],
             vocab_size=self.tokenizer.get_vocab_size(),
+            before_wait=self.wait_work,
         )
         return {i: (tokens[j : j + 1], probs[j : j + 1]) for j, i in enumerate(indices)}

@@ -22,6 +22,7 @@ exllamav2's sampler: see worker/engines/exllamav2_generator.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def sample_rows(
     min_p: list[float],
     uniform: list[float],
     vocab_size: int,
+    before_wait: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of device logits (rows, padded vocab).
 
@@ -107,13 +109,17 @@ def sample_rows(
     (float32), so that row j is `tokens[j : j + 1]`, the shape exllamav2 hands a job. One
     small copy to the device for the settings and one back for the results, which is the
     only wait for the GPU; a batch of greedy rows only (known here on the host) needs no
-    distribution at all, just the argmax.
+    distribution at all, just the argmax. ``before_wait`` runs once the sampling is queued on
+    the GPU, before that wait.
     """
     import torch
 
     logits = logits[:, :vocab_size]  # the output layer's padding is never drawn
     if all(t < GREEDY_BELOW_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k, strict=True)):
-        tokens = logits.argmax(dim=-1).unsqueeze(1).cpu()
+        on_device = logits.argmax(dim=-1).unsqueeze(1)
+        if before_wait is not None:
+            before_wait()
+        tokens = on_device.cpu()
         return tokens, torch.ones(tokens.shape, dtype=torch.float32)
     dev = logits.device
     pinned = dev.type == "cuda"
@@ -125,5 +131,8 @@ def sample_rows(
     probs = sampling_probs(logits, temps, ks, mins, vocab_size, max_top_k)
     greedy = (temps < GREEDY_BELOW_TEMPERATURE) | (ks == 1)
     tokens, chosen = draw(logits, probs, greedy, us)
-    out = torch.stack([tokens.double(), chosen.double()], dim=1).cpu()
+    on_device = torch.stack([tokens.double(), chosen.double()], dim=1)
+    if before_wait is not None:
+        before_wait()
+    out = on_device.cpu()
     return out[:, :1].long(), out[:, 1:].float()
