@@ -280,14 +280,14 @@ class ExLlamaV2Engine(Engine):
     def step(self) -> list[EngineOutput]:
         outputs = self._build_startable()
         for result in self.generator.iterate():
-            if result["stage"] != "streaming":
-                continue
-            job_id: str = result["identifier"]
-            outputs.extend(self._outputs_of(job_id, result))
+            if result["stage"] == "streaming":
+                self._add_outputs(result["identifier"], result, outputs)
         return outputs
 
-    def _outputs_of(self, job_id: str, result: dict[str, Any]) -> list[EngineOutput]:
-        outputs: list[EngineOutput] = []
+    def _add_outputs(
+        self, job_id: str, result: dict[str, Any], outputs: list[EngineOutput]
+    ) -> None:
+        """Append what one of exllamav2's results says to ``outputs`` (every job, every step)."""
         text: str = result.get("text", "")
         ids_tensor = result.get("token_ids")
         token_ids: list[int] = []
@@ -312,7 +312,6 @@ class ExLlamaV2Engine(Engine):
                     cached_tokens=int(result.get("cached_tokens", 0)),
                 )
             )
-        return outputs
 
     def _logprobs(self, result: dict[str, Any]) -> list[TokenChoices] | None:
         top_ids = result.get("top_k_tokens")
