@@ -97,6 +97,7 @@ class EngineLoop:
         # next step's wait for the GPU (Engine.set_wait_work), and goes out in it.
         self._held: StepReport | None = None
         self._held_error: BaseException | None = None
+        self._step_waited = False  # the last step ran the wait work: the engine waits
         self._streaming: set[str] = set()  # jobs whose first text has been reported
 
     def start(self, report: ReportSink) -> None:
@@ -129,6 +130,7 @@ class EngineLoop:
                 ):
                     self._send_held()
                     return
+                self._step_waited = False
                 step_seconds = self._step(outputs) if self.engine.active_jobs else None
                 self._send_held()  # if the step did not wait for the GPU
                 if outputs or step_seconds is not None:
@@ -156,10 +158,14 @@ class EngineLoop:
     def _emit(self, report: StepReport) -> None:
         """Send the report now, or hold it for the next step's wait for the GPU. A first
         text, an end and an idle engine go at once: holding them would add to a job's time
-        to first token or to its result, or wait for a step that will not come."""
+        to first token or to its result, or wait for a step that will not come. Nor is a
+        report held after a step that did not wait (an engine or a sampler that never
+        does, a prefill): the next one would likely not wait either, and the report would
+        only come a step late."""
         if (
             self.overlap_reports
             and not self._starts_or_ends(report.outputs)
+            and self._step_waited
             and self.engine.active_jobs
         ):
             self._held = report
@@ -188,6 +194,7 @@ class EngineLoop:
     def _send_held_in_wait(self) -> None:
         """The engine's wait work: the held report, sent while the GPU runs the step. A
         failing sink must not fail the step's jobs: its error is raised after the step."""
+        self._step_waited = True
         try:
             self._send_held()
         except BaseException as exc:

@@ -128,11 +128,11 @@ def test_jobs_handed_over_together_start_in_the_same_step() -> None:
 
 
 class ScriptedEngine(EchoEngine):
-    """Echo whose steps log when they begin, wait for their "device" and end; a step runs
-    the loop's wait work between its first half and its second when ``waits``."""
+    """Echo whose steps log when they begin, wait for their "device" and end; the steps
+    numbered in ``waits`` run the loop's wait work between their first half and second."""
 
-    def __init__(self, log: list[str], waits: bool) -> None:
-        super().__init__(capacity=4, tokens_per_second=1e9)  # no pacing pause of its own
+    def __init__(self, log: list[str], waits: set[int]) -> None:
+        super().__init__(capacity=4, tokens_per_second=1000)
         self.log = log
         self.waits = waits
         self.steps = 0
@@ -140,20 +140,21 @@ class ScriptedEngine(EchoEngine):
     def step(self) -> list[EngineOutput]:
         self.steps += 1
         self.log.append(f"step {self.steps}")
-        if self.waits and self.wait_work is not None:
+        if self.steps in self.waits and self.wait_work is not None:
             self.wait_work()
         outputs = super().step()
         self.log.append(f"end {self.steps}")
         return outputs
 
+    def _pace(self) -> None:
+        """No pause (nor wait work) of the echo engine's own."""
 
-def _run_scripted(waits: bool, overlap: bool) -> tuple[list[str], list[StepReport]]:
+
+def _run_scripted(waits: set[int], overlap: bool) -> list[str]:
     log: list[str] = []
-    reports: list[StepReport] = []
     done = threading.Event()
 
     def sink(report: StepReport) -> None:
-        reports.append(report)
         log.append("report " + " ".join(_describe(o) for o in report.outputs))
         if any(isinstance(o, JobEnded) for o in report.outputs):
             done.set()
@@ -163,7 +164,7 @@ def _run_scripted(waits: bool, overlap: bool) -> tuple[list[str], list[StepRepor
     loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
     assert done.wait(5)
     loop.stop(5)
-    return log, reports
+    return log
 
 
 def _describe(output: EngineOutput) -> str:
@@ -172,8 +173,11 @@ def _describe(output: EngineOutput) -> str:
     return type(output).__name__
 
 
+EVERY_STEP = {1, 2, 3, 4}
+
+
 def test_a_steps_tokens_go_out_in_the_next_steps_wait_for_the_gpu() -> None:
-    log, _ = _run_scripted(waits=True, overlap=True)
+    log = _run_scripted(waits=EVERY_STEP, overlap=True)
     assert log == [
         "step 1",
         "end 1",
@@ -190,40 +194,46 @@ def test_a_steps_tokens_go_out_in_the_next_steps_wait_for_the_gpu() -> None:
     ]
 
 
-def test_held_tokens_go_out_after_the_next_step_when_it_does_not_wait() -> None:
-    log, _ = _run_scripted(waits=False, overlap=True)
+def test_held_tokens_go_out_after_a_step_that_does_not_wait_and_nothing_waits_on_it() -> None:
+    log = _run_scripted(waits={2}, overlap=True)
     assert log == [
         "step 1",
         "end 1",
         "report one",
         "step 2",
-        "end 2",
+        "end 2",  # step 2 waited: "two" is held
         "step 3",
         "end 3",
-        "report two",  # before step 3's own
+        "report two",  # step 3 did not wait: "two" goes after it, before its own
+        "report three",  # and step 3's own goes at once
         "step 4",
         "end 4",
-        "report three",
         "report four JobEnded",
     ]
+
+
+SEND_AS_EACH_STEP_ENDS = [
+    "step 1",
+    "end 1",
+    "report one",
+    "step 2",
+    "end 2",
+    "report two",
+    "step 3",
+    "end 3",
+    "report three",
+    "step 4",
+    "end 4",
+    "report four JobEnded",
+]
+
+
+def test_an_engine_that_never_waits_reports_each_step_as_it_ends() -> None:
+    assert _run_scripted(waits=set(), overlap=True) == SEND_AS_EACH_STEP_ENDS
 
 
 def test_without_overlap_each_step_reports_as_it_ends() -> None:
-    log, _ = _run_scripted(waits=True, overlap=False)
-    assert log == [
-        "step 1",
-        "end 1",
-        "report one",
-        "step 2",
-        "end 2",
-        "report two",
-        "step 3",
-        "end 3",
-        "report three",
-        "step 4",
-        "end 4",
-        "report four JobEnded",
-    ]
+    assert _run_scripted(waits=EVERY_STEP, overlap=False) == SEND_AS_EACH_STEP_ENDS
 
 
 def test_a_sink_that_fails_in_the_wait_ends_the_loop_without_failing_the_jobs() -> None:
@@ -240,7 +250,7 @@ def test_a_sink_that_fails_in_the_wait_ends_the_loop_without_failing_the_jobs() 
         if report.fatal is not None:
             fatal.set()
 
-    loop = EngineLoop(ScriptedEngine([], waits=True), overlap_reports=True)
+    loop = EngineLoop(ScriptedEngine([], waits=EVERY_STEP), overlap_reports=True)
     loop.start(sink)
     loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
     assert fatal.wait(5)

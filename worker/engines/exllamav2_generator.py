@@ -16,6 +16,10 @@ change.
 With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
 exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job.
 
+A decode step runs its wait_work (Engine.set_wait_work), if set, once its forward pass and
+sampling are queued on the GPU and before it waits for the sampled tokens: the engine loop
+sends the previous step's report there, while the GPU works.
+
 With admit_prompt_tokens > 0 a step starts only as many waiting jobs as hold that many
 prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts every one that
 fits: a burst starts in slices, and its first jobs decode while the rest prefill.
