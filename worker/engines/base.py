@@ -113,7 +113,7 @@ class Engine(ABC):
         """Work a step may run on the engine thread while it waits for its device: once the
         step's forward pass is queued on the GPU, before the wait for its result. It must not
         raise. The engine loop sends the previous step's report there; an engine that never
-        waits may leave it, and the loop runs it after the step."""
+        waits may ignore it, and the loop then sends each step's report as the step ends."""
         self.wait_work = work
 
     @abstractmethod
