@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -158,3 +159,12 @@ def worker_process(redis_url: str, queue: str, *extra: str, **env: str) -> subpr
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+@pytest.fixture(autouse=True)
+def _collect_after_each_test() -> Iterator[None]:
+    """A full collection after every test, so that what a test left unclosed (a connection,
+    a socket) fails that test, under filterwarnings = error, and not a later one that the
+    collector happened to run in."""
+    yield
+    gc.collect()
