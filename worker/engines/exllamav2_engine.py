@@ -281,13 +281,12 @@ class ExLlamaV2Engine(Engine):
         outputs = self._build_startable()
         for result in self.generator.iterate():
             if result["stage"] == "streaming":
-                self._add_outputs(result["identifier"], result, outputs)
+                self._add_outputs(result, outputs)
         return outputs
 
-    def _add_outputs(
-        self, job_id: str, result: dict[str, Any], outputs: list[EngineOutput]
-    ) -> None:
+    def _add_outputs(self, result: dict[str, Any], outputs: list[EngineOutput]) -> None:
         """Append what one of exllamav2's results says to ``outputs`` (every job, every step)."""
+        job_id: str = result["identifier"]
         text: str = result.get("text", "")
         ids_tensor = result.get("token_ids")
         token_ids: list[int] = []

@@ -116,10 +116,7 @@ def sample_rows(
 
     logits = logits[:, :vocab_size]  # the output layer's padding is never drawn
     if all(t < GREEDY_BELOW_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k, strict=True)):
-        on_device = logits.argmax(dim=-1).unsqueeze(1)
-        if before_wait is not None:
-            before_wait()
-        tokens = on_device.cpu()
+        tokens = _to_host(logits.argmax(dim=-1).unsqueeze(1), before_wait)
         return tokens, torch.ones(tokens.shape, dtype=torch.float32)
     dev = logits.device
     pinned = dev.type == "cuda"
@@ -131,8 +128,12 @@ def sample_rows(
     probs = sampling_probs(logits, temps, ks, mins, vocab_size, max_top_k)
     greedy = (temps < GREEDY_BELOW_TEMPERATURE) | (ks == 1)
     tokens, chosen = draw(logits, probs, greedy, us)
-    on_device = torch.stack([tokens.double(), chosen.double()], dim=1)
+    out = _to_host(torch.stack([tokens.double(), chosen.double()], dim=1), before_wait)
+    return out[:, :1].long(), out[:, 1:].float()
+
+
+def _to_host(on_device: torch.Tensor, before_wait: Callable[[], None] | None) -> torch.Tensor:
+    """The step's one wait for the GPU: ``before_wait`` runs first, while the GPU works."""
     if before_wait is not None:
         before_wait()
-    out = on_device.cpu()
-    return out[:, :1].long(), out[:, 1:].float()
+    return on_device.cpu()
