@@ -26,6 +26,7 @@ PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].
 ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
 GPU_EMBEDDING: bool = WorkerSettings.model_fields["gpu_embedding"].default
 OVERLAP_REPORTS: bool = WorkerSettings.model_fields["overlap_reports"].default
+ADMIT_IN_WAIT: bool = WorkerSettings.model_fields["admit_in_wait"].default
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
@@ -60,6 +61,13 @@ def add_worker_options(ap: argparse.ArgumentParser) -> None:
         default=OVERLAP_REPORTS,
         help="the worker sends a step's tokens while the next step waits for the GPU (off: "
         "as each step ends)",
+    )
+    ap.add_argument(
+        "--admit-in-wait",
+        action=argparse.BooleanOptionalAction,
+        default=ADMIT_IN_WAIT,
+        help="the worker's engine takes in new jobs and builds the next step's while the GPU "
+        "runs a step (off: between steps)",
     )
 
 
@@ -270,6 +278,7 @@ class ExlqPath:
         admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
         gpu_embedding: bool = GPU_EMBEDDING,
         overlap_reports: bool = OVERLAP_REPORTS,
+        admit_in_wait: bool = ADMIT_IN_WAIT,
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
@@ -292,6 +301,7 @@ class ExlqPath:
         self.flags = [
             "--gpu-embedding" if gpu_embedding else "--no-gpu-embedding",
             "--overlap-reports" if overlap_reports else "--no-overlap-reports",
+            "--admit-in-wait" if admit_in_wait else "--no-admit-in-wait",
         ]
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus

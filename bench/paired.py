@@ -112,6 +112,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
             worker_cpus=place.server,
             redis_cpus=place.load,
             overlap_reports=args.overlap_reports,
+            admit_in_wait=args.admit_in_wait,
             **engine_options(args),
         ) as path:
             if args.freeze_gc:
@@ -416,7 +417,8 @@ def main() -> None:
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
         + ("" if args.freeze_gc else " --no-freeze-gc")
-        + ("" if args.overlap_reports else " --no-overlap-reports"),
+        + ("" if args.overlap_reports else " --no-overlap-reports")
+        + ("" if args.admit_in_wait else " --no-admit-in-wait"),
     }
     started = time.monotonic()
     runs = measure(args, place)

@@ -77,7 +77,10 @@ def _install_in_worker(trace: TraceFile) -> None:
 
 
 # The engine process's step, in parts: building the jobs it starts, and exllamav2's iterate().
-_step_parts: dict[str, float] = {"build_s": 0.0, "iterate_s": 0.0}
+# A step's parts: the builds before iterate(), iterate(), and the builds inside it (in the
+# GPU wait, --admit-in-wait), which iterate's time includes.
+_step_parts: dict[str, float] = {"build_s": 0.0, "iterate_s": 0.0, "wait_build_s": 0.0}
+_in_iterate: list[bool] = [False]
 
 
 def _wrap_engine_internals() -> None:
@@ -87,21 +90,28 @@ def _wrap_engine_internals() -> None:
     except ImportError:  # no torch here: the echo engine
         return
 
-    def timed(inner: Callable[..., Any], part: str) -> Callable[..., Any]:
+    def timed(inner: Callable[..., Any], part: str, inside: str | None) -> Callable[..., Any]:
+        """``inner`` timed into ``part``, or into ``inside`` when iterate() runs it."""
+
         @functools.wraps(inner)
         def wrapper(*args: Any) -> Any:
+            outer = _in_iterate[0]
+            into = inside if inside is not None and outer else part
+            if inside is None:  # iterate() itself
+                _in_iterate[0] = True
             begin = perf_counter()
             try:
                 return inner(*args)
             finally:
-                _step_parts[part] += perf_counter() - begin
+                _step_parts[into] += perf_counter() - begin
+                _in_iterate[0] = outer
 
         return wrapper
 
     ExLlamaV2Engine._build_startable = timed(  # type: ignore[method-assign]
-        ExLlamaV2Engine._build_startable, "build_s"
+        ExLlamaV2Engine._build_startable, "build_s", "wait_build_s"
     )
-    ExlqDynamicGenerator.iterate = timed(ExlqDynamicGenerator.iterate, "iterate_s")  # type: ignore[method-assign]
+    ExlqDynamicGenerator.iterate = timed(ExlqDynamicGenerator.iterate, "iterate_s", None)  # type: ignore[method-assign]
 
 
 def _wrap_worker(trace: TraceFile) -> None:
@@ -202,7 +212,7 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
         firsts = sum(1 for j in new if j not in seen)
         seen.update(new)
         parts = {k: round(v * 1000, 2) for k, v in _step_parts.items()}
-        _step_parts.update(build_s=0.0, iterate_s=0.0)
+        _step_parts.update(build_s=0.0, iterate_s=0.0, wait_build_s=0.0)
         trace.note("step", begin=begin, active=active, outputs=len(new), firsts=firsts, **parts)
         return seconds
 
@@ -337,11 +347,11 @@ class EngineClassAlone:
         steps: list[list[float]] = []
         ended = 0
         while ended < len(requests):
-            _step_parts.update(build_s=0.0, iterate_s=0.0)
+            _step_parts.update(build_s=0.0, iterate_s=0.0, wait_build_s=0.0)
             begin = perf_counter()
             outputs = self.engine.step()
             end = perf_counter()
-            steps.append([begin, end, _step_parts["build_s"], _step_parts["iterate_s"]])
+            steps.append([begin, end, *_step_parts.values()])
             for o in outputs:
                 if isinstance(o, TokenChunk):
                     first.setdefault(o.job_id, end)
@@ -368,9 +378,9 @@ class EngineClassAlone:
         return {
             "system": "engine-class",
             "ttft_ms_p50": percentiles([(t - t0) * 1000 for t in made], [50])[0],
-            "steps": [[_ms(a, t0), _ms(b, t0)] for a, b, _, _ in steps],
+            "steps": [[_ms(a, t0), _ms(b, t0)] for a, b, *_ in steps],
             "step_build_iterate_ms": [
-                [round(c * 1000, 2), round(d * 1000, 2)] for *_, c, d in steps
+                [round(x * 1000, 2) for x in parts] for _, _, *parts in steps
             ],
             "first_token_by_group": group_medians(made, t0, group),
         }
@@ -421,8 +431,11 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         "engine_recv": [_ms(r["t"], t0) for r in at("engine_recv")],
         "engine_apply": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("apply")],
         "steps": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["active"], r["firsts"]] for r in steps],
-        # ms of each step building jobs and in exllamav2's iterate() (the engine process)
-        "step_build_iterate_ms": [[r.get("build_s"), r.get("iterate_s")] for r in steps],
+        # ms of each step building jobs before iterate(), in exllamav2's iterate(), and
+        # building jobs inside iterate's wait for the GPU (the engine process)
+        "step_build_iterate_ms": [
+            [r.get("build_s"), r.get("iterate_s"), r.get("wait_build_s")] for r in steps
+        ],
         "reports_sent": [_ms(r["t"], t0) for r in at("report_sent")][:steps_shown],
         # ms each report waited between its step's end and its send (--overlap-reports)
         "reports_held_ms": [r.get("held") for r in at("report_sent")][:steps_shown],
@@ -638,6 +651,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
             worker_module="bench.path_trace",
             worker_env={TRACE_ENV: str(trace_dir)},
             overlap_reports=args.overlap_reports,
+            admit_in_wait=args.admit_in_wait,
             **engine_options(args),
         ) as path:
             systems = TracedSystems(

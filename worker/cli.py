@@ -56,6 +56,13 @@ OverlapReports = Annotated[
         "ends at once)",
     ),
 ]
+AdmitInWait = Annotated[
+    bool | None,
+    typer.Option(
+        "--admit-in-wait/--no-admit-in-wait",
+        help="take in new jobs and build the next step's while the GPU runs a step",
+    ),
+]
 PrefillBatchTokens = Annotated[
     int | None,
     typer.Option(
@@ -106,6 +113,7 @@ def worker(
     gpu_sampling: GpuSampling = None,
     gpu_embedding: GpuEmbedding = None,
     overlap_reports: OverlapReports = None,
+    admit_in_wait: AdmitInWait = None,
     prefill_batch_tokens: PrefillBatchTokens = None,
     admit_prompt_tokens: AdmitPromptTokens = None,
     log_level: LogLevel = None,
@@ -131,6 +139,7 @@ def worker(
         gpu_sampling=gpu_sampling,
         gpu_embedding=gpu_embedding,
         overlap_reports=overlap_reports,
+        admit_in_wait=admit_in_wait,
         prefill_batch_tokens=prefill_batch_tokens,
         admit_prompt_tokens=admit_prompt_tokens,
         log_level=log_level,
@@ -155,6 +164,7 @@ def up(
     gpu_sampling: GpuSampling = None,
     gpu_embedding: GpuEmbedding = None,
     overlap_reports: OverlapReports = None,
+    admit_in_wait: AdmitInWait = None,
     metrics_port: MetricsPort = None,
     echo_tokens_per_second: EchoRate = None,
     log_level: LogLevel = None,
@@ -176,6 +186,7 @@ def up(
         gpu_sampling=gpu_sampling,
         gpu_embedding=gpu_embedding,
         overlap_reports=overlap_reports,
+        admit_in_wait=admit_in_wait,
         metrics_port=metrics_port,
         echo_tokens_per_second=echo_tokens_per_second,
         log_level=log_level,

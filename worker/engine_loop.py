@@ -84,12 +84,15 @@ class EngineLoop:
     """Runs an engine on a thread of its own. Commands come in through a queue; each pass's
     outputs go out through ``report``, which must be thread-safe."""
 
-    def __init__(self, engine: Engine, overlap_reports: bool = True) -> None:
+    def __init__(
+        self, engine: Engine, overlap_reports: bool = True, admit_in_wait: bool = True
+    ) -> None:
         self.engine = engine
         self.name = engine.name
         self.capacity = engine.capacity
         self.setup = engine.setup
         self.overlap_reports = overlap_reports
+        self.admit_in_wait = admit_in_wait
         self._report: ReportSink = _no_sink
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
@@ -99,6 +102,11 @@ class EngineLoop:
         self._held_error: BaseException | None = None
         self._step_waited = False  # the last step ran the wait work: the engine waits
         self._streaming: set[str] = set()  # jobs whose first text has been reported
+        # With admit_in_wait, the jobs that arrive while a step waits for the GPU are added
+        # in that wait. Commands taken there behind the first that is not an add wait here,
+        # in order, for the step's end; the adds' errors go into the pass's outputs.
+        self._deferred: list[_Command] = []
+        self._outputs: list[EngineOutput] = []
 
     def start(self, report: ReportSink) -> None:
         self._report = report
@@ -119,11 +127,12 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        if self.overlap_reports:
-            self.engine.set_wait_work(self._send_held_in_wait)
+        if self.overlap_reports or self.admit_in_wait:
+            self.engine.set_wait_work(self._in_wait)
         try:
             while True:
                 outputs: list[EngineOutput] = []
+                self._outputs = outputs
                 # Block only while idle; with work in flight, take what has arrived and step.
                 if not self._apply(
                     self._take_commands(block=self.engine.active_jobs == 0), outputs
@@ -191,18 +200,35 @@ class EngineLoop:
         if report is not None:
             self._report(report)
 
-    def _send_held_in_wait(self) -> None:
-        """The engine's wait work: the held report, sent while the GPU runs the step. A
-        failing sink must not fail the step's jobs: its error is raised after the step."""
+    def _in_wait(self) -> None:
+        """The engine's wait work, run while the GPU runs the step: the held report goes
+        out (overlap_reports), then the jobs that have arrived are added (admit_in_wait), so
+        that the engine may build them before the next step. A failing sink must not fail
+        the step's jobs: its error is raised after the step."""
         self._step_waited = True
-        try:
-            self._send_held()
-        except BaseException as exc:
-            self._held_error = exc
+        if self.overlap_reports:
+            try:
+                self._send_held()
+            except BaseException as exc:
+                self._held_error = exc
+        if self.admit_in_wait:
+            self._add_arrived()
+
+    def _add_arrived(self) -> None:
+        """Add the jobs of the add commands that have arrived, up to the first command of
+        another kind: that one and those behind it wait for the step's end, so commands
+        keep their order and a cancel never runs inside a step."""
+        commands = self._take_commands(block=False)
+        adds = next(
+            (i for i, command in enumerate(commands) if not isinstance(command, _Add)),
+            len(commands),
+        )
+        self._deferred = commands[adds:]
+        self._apply(commands[:adds], self._outputs)
 
     def _take_commands(self, block: bool) -> list[_Command]:
-        commands: list[_Command] = []
-        if block:
+        commands, self._deferred = self._deferred, []
+        if block and not commands:
             commands.append(self._commands.get())
         while True:
             try:

@@ -59,6 +59,11 @@ class WorkerSettings(BaseSettings):
         "job's first text and its end, which go at once; off: every step's tokens as soon "
         "as the step ends",
     )
+    admit_in_wait: bool = Field(
+        True,
+        description="while the GPU runs a step, take in the jobs that have arrived and build "
+        "the ones the next step will start; off: both between steps",
+    )
     prefill_batch_tokens: int = Field(
         4096,
         ge=0,

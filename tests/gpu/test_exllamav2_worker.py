@@ -187,14 +187,12 @@ def test_input_ids_run_as_the_same_prompt_and_unseeded_jobs_draw_apart(engine: A
     assert runs[0]["unseeded"] != runs[1]["unseeded"]
 
 
-def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
-    """Jobs are checked on arrival and built only when a step could start them (one past
-    the admission budget's slice); a job cancelled before its build ends with no tokens;
-    slices start in arrival order."""
+def _run_burst(engine: Any, admit_in_wait: bool) -> dict[str, Any]:
+    """12 jobs of 1,000-token prompts (slices of 8); b11 cancelled before its build, and
+    b09's build made to fail. What each step started and ended, and what step 1 left."""
     from producer.protocol import GenerationRequest
-    from worker.engines.base import JobEnded
+    from worker.engines.base import JobEnded, TokenChunk
 
-    assert engine.admit_prompt_tokens == 8192  # the default: slices of 8 prompts of 1,000
     generator = engine.generator
     vocab = engine.model.config.vocab_size
     job_ids = [f"b{n:02d}" for n in range(12)]
@@ -208,27 +206,70 @@ def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
             ),
         )
     assert engine.active_jobs == 12 and generator.num_remaining_jobs() == 0  # none built
-
     assert engine.cancel("b11") == JobEnded("b11", "cancelled", 1000, 0)
     assert engine.active_jobs == 11
 
-    started_in: dict[str, int] = {}
-    ended: list[JobEnded] = []
+    build = engine._build
+
+    def failing_build(accepted: Any) -> None:
+        if accepted.job_id == "b09":
+            raise RuntimeError("no pages")
+        build(accepted)
+
+    engine._build, engine.admit_in_wait = failing_build, admit_in_wait
+    burst: dict[str, Any] = {"started_in": {}, "ended_in": {}, "tokens": {}}
     step = 0
-    while engine.active_jobs:
-        step += 1
-        ended += [o for o in engine.step() if isinstance(o, JobEnded)]
-        for job in generator.active_jobs:
-            started_in.setdefault(job.identifier, step)
-        if step == 1:
-            # Nine built (9,000 waiting tokens > 8,192), eight started, two not built.
-            assert sorted(started_in) == job_ids[:8]
-            assert len(generator.pending_jobs) == 1 and engine.active_jobs == 11
-    assert sorted(started_in) == job_ids[:11]
-    order = [started_in[job_id] for job_id in job_ids[:11]]
-    assert order == sorted(order) and order[8] > 1  # the second slice starts later
-    assert {e.job_id for e in ended} == set(job_ids[:11])
-    assert all(e.finish_reason == "length" and e.completion_tokens == 4 for e in ended)
+    try:
+        while engine.active_jobs:
+            step += 1
+            for output in engine.step():
+                if isinstance(output, TokenChunk):
+                    burst["tokens"].setdefault(output.job_id, []).extend(output.token_ids)
+                else:
+                    burst["ended_in"][output.job_id] = (step, output)
+            for job in generator.active_jobs:
+                burst["started_in"].setdefault(job.identifier, step)
+            if step == 1:
+                burst["after_step_1"] = (
+                    len(generator.pending_jobs),  # built, waiting to start
+                    engine.active_jobs - generator.num_remaining_jobs(),  # not built
+                )
+    finally:
+        del engine._build
+        engine.admit_in_wait = True
+    return burst
+
+
+def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
+    """Jobs are checked on arrival and built only when a step could start them (one past
+    the admission budget's slice); with admit_in_wait, the next slice is built in the
+    step's wait for the GPU. A job cancelled before its build ends with no tokens; a build
+    that fails ends its job alone, in the step that tried it; slices start in order; the
+    tokens do not depend on where the jobs were built."""
+    from worker.engines.base import JobEnded, JobErrored
+
+    assert engine.admit_prompt_tokens == 8192  # the default: slices of 8 prompts of 1,000
+    between = _run_burst(engine, admit_in_wait=False)
+    in_wait = _run_burst(engine, admit_in_wait=True)
+
+    # Step 1 built nine (9,000 waiting tokens > 8,192) and started eight. Between steps,
+    # the other two wait for step 2; in the wait, step 1 built them (b09 failing there).
+    assert between["after_step_1"] == (1, 2)
+    assert in_wait["after_step_1"] == (2, 0)
+    error = JobErrored("b09", "engine_error", "RuntimeError: no pages")
+    assert between["ended_in"]["b09"] == (2, error)
+    assert in_wait["ended_in"]["b09"] == (1, error)
+
+    job_ids = [f"b{n:02d}" for n in range(11) if n != 9]
+    for burst in (between, in_wait):
+        assert sorted(burst["started_in"]) == job_ids
+        order = [burst["started_in"][job_id] for job_id in job_ids]
+        assert order == sorted(order) and order[8] > 1  # the second slice starts later
+        ends = [burst["ended_in"][job_id][1] for job_id in job_ids]
+        assert all(isinstance(e, JobEnded) and e.finish_reason == "length" for e in ends)
+        assert all(isinstance(e, JobEnded) and e.completion_tokens == 4 for e in ends)
+    assert in_wait["tokens"] == between["tokens"]
+    assert in_wait["started_in"] == between["started_in"]
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 from producer.protocol import GenerationRequest, InvalidRequest
 from worker.engine_loop import EngineLoop, StepReport
@@ -129,17 +130,37 @@ def test_jobs_handed_over_together_start_in_the_same_step() -> None:
 
 class ScriptedEngine(EchoEngine):
     """Echo whose steps log when they begin, wait for their "device" and end; the steps
-    numbered in ``waits`` run the loop's wait work between their first half and second."""
+    numbered in ``waits`` run the loop's wait work between their first half and second.
+    ``arrivals[n]`` runs in step n before its wait (commands that arrive while the GPU
+    works). Adds and cancels are logged; a prompt of "refuse" is refused."""
 
-    def __init__(self, log: list[str], waits: set[int]) -> None:
+    def __init__(
+        self,
+        log: list[str],
+        waits: set[int],
+        arrivals: dict[int, Callable[[], None]] | None = None,
+    ) -> None:
         super().__init__(capacity=4, tokens_per_second=1000)
         self.log = log
         self.waits = waits
+        self.arrivals = arrivals or {}
         self.steps = 0
+
+    def add(self, job_id: str, request: GenerationRequest) -> None:
+        self.log.append(f"add {job_id}")
+        if request.prompt == "refuse":
+            raise InvalidRequest("refused")
+        super().add(job_id, request)
+
+    def cancel(self, job_id: str) -> JobEnded | None:
+        self.log.append(f"cancel {job_id}")
+        return super().cancel(job_id)
 
     def step(self) -> list[EngineOutput]:
         self.steps += 1
         self.log.append(f"step {self.steps}")
+        if self.steps in self.arrivals:
+            self.arrivals[self.steps]()
         if self.steps in self.waits and self.wait_work is not None:
             self.wait_work()
         outputs = super().step()
@@ -164,7 +185,7 @@ def _run_scripted(waits: set[int], overlap: bool) -> list[str]:
     loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
     assert done.wait(5)
     loop.stop(5)
-    return log
+    return [line for line in log if not line.startswith("add ")]
 
 
 def _describe(output: EngineOutput) -> str:
@@ -257,3 +278,69 @@ def test_a_sink_that_fails_in_the_wait_ends_the_loop_without_failing_the_jobs() 
     outputs = [o for r in reports for o in r.outputs]
     assert not any(isinstance(o, JobErrored) for o in outputs)
     assert "BrokenPipeError" in (reports[-1].fatal or "")
+
+
+def _run_with_arrivals(admit_in_wait: bool) -> tuple[list[str], list[EngineOutput]]:
+    """Job a runs; while step 2 waits for the GPU, three commands arrive: add b (refused),
+    cancel a, add c."""
+    log: list[str] = []
+    outputs: list[EngineOutput] = []
+    done = threading.Event()
+
+    def sink(report: StepReport) -> None:
+        errors = [o.job_id for o in report.outputs if isinstance(o, JobErrored)]
+        log.append(f"report {' '.join(errors)}".strip())
+        outputs.extend(report.outputs)
+        if any(isinstance(o, JobEnded) and o.job_id == "c" for o in report.outputs):
+            done.set()
+
+    def arrive() -> None:
+        loop.add_many([("b", GenerationRequest(prompt="refuse", max_new_tokens=2))])
+        loop.cancel("a")
+        loop.add_many([("c", GenerationRequest(prompt="x", max_new_tokens=2))])
+
+    engine = ScriptedEngine(log, waits=EVERY_STEP, arrivals={2: arrive})
+    loop = EngineLoop(engine, overlap_reports=True, admit_in_wait=admit_in_wait)
+    loop.start(sink)
+    loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
+    assert done.wait(5)
+    loop.stop(5)
+    return log, outputs
+
+
+def _without_reports(log: list[str]) -> list[str]:
+    return [line for line in log if not line.startswith("report")]
+
+
+def test_jobs_that_arrive_while_a_step_waits_are_added_in_the_wait_in_order() -> None:
+    log, outputs = _run_with_arrivals(admit_in_wait=True)
+    # b's refusal goes out with step 2's report, the first after the step.
+    after_step_2 = log[log.index("end 2") :]
+    assert next(line for line in after_step_2 if line.startswith("report")) == "report b"
+    assert _without_reports(log)[:8] == [
+        "add a",
+        "step 1",
+        "end 1",
+        "step 2",
+        "add b",  # in step 2's wait: the adds up to the first other command
+        "end 2",
+        "cancel a",  # a cancel never runs inside a step; it and what follows it wait
+        "add c",
+    ]
+    assert JobErrored("b", "invalid_request", "refused") in outputs
+    assert JobEnded("a", "cancelled", 4, 2) in outputs
+
+
+def test_without_admit_in_wait_jobs_are_added_between_steps() -> None:
+    log, outputs = _run_with_arrivals(admit_in_wait=False)
+    assert _without_reports(log)[:8] == [
+        "add a",
+        "step 1",
+        "end 1",
+        "step 2",
+        "end 2",
+        "add b",
+        "cancel a",
+        "add c",
+    ]
+    assert JobErrored("b", "invalid_request", "refused") in outputs

@@ -112,8 +112,10 @@ class Engine(ABC):
     def set_wait_work(self, work: Callable[[], None] | None) -> None:
         """Work a step may run on the engine thread while it waits for its device: once the
         step's forward pass is queued on the GPU, before the wait for its result. It must not
-        raise. The engine loop sends the previous step's report there; an engine that never
-        waits may ignore it, and the loop then sends each step's report as the step ends."""
+        raise. The engine loop sends the previous step's report there, and adds the jobs that
+        have arrived, so add() may be called from inside step(). An engine that never waits
+        may ignore it; the loop then sends each step's report as the step ends, and adds the
+        jobs between steps."""
         self.wait_work = work
 
     @abstractmethod
