@@ -418,7 +418,12 @@ def main() -> None:
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
         + ("" if args.freeze_gc else " --no-freeze-gc")
         + ("" if args.overlap_reports else " --no-overlap-reports")
-        + ("" if args.admit_in_wait else " --no-admit-in-wait"),
+        + ("" if args.admit_in_wait else " --no-admit-in-wait")
+        + (
+            ""
+            if args.admit_prompt_tokens == ADMIT_PROMPT_TOKENS
+            else f" --admit-prompt-tokens {args.admit_prompt_tokens}"
+        ),
     }
     started = time.monotonic()
     runs = measure(args, place)
