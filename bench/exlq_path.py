@@ -25,8 +25,25 @@ from worker.settings import WorkerSettings
 PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].default
 ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
 GPU_EMBEDDING: bool = WorkerSettings.model_fields["gpu_embedding"].default
-OVERLAP_REPORTS: bool = WorkerSettings.model_fields["overlap_reports"].default
-ADMIT_IN_WAIT: bool = WorkerSettings.model_fields["admit_in_wait"].default
+
+# Switches of the worker alone, which an engine without the queue does not have: each is a
+# WorkerSettings field (its default is the worker's) and a --name/--no-name flag.
+WORKER_SWITCHES: dict[str, str] = {
+    "overlap_reports": "the worker sends a step's tokens while the next step waits for the "
+    "GPU (off: as each step ends)",
+    "admit_in_wait": "the worker's engine takes in new jobs and builds the next step's while "
+    "the GPU runs a step (off: between steps)",
+}
+
+
+def switch_flag(name: str, on: bool) -> str:
+    """A boolean setting as the worker's CLI spells it: --name or --no-name."""
+    flag = name.replace("_", "-")
+    return f"--{flag}" if on else f"--no-{flag}"
+
+
+def switch_default(name: str) -> bool:
+    return bool(WorkerSettings.model_fields[name].default)
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
@@ -54,21 +71,19 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
 
 
 def add_worker_options(ap: argparse.ArgumentParser) -> None:
-    """Settings of the worker alone, which an engine without the queue does not have."""
-    ap.add_argument(
-        "--overlap-reports",
-        action=argparse.BooleanOptionalAction,
-        default=OVERLAP_REPORTS,
-        help="the worker sends a step's tokens while the next step waits for the GPU (off: "
-        "as each step ends)",
-    )
-    ap.add_argument(
-        "--admit-in-wait",
-        action=argparse.BooleanOptionalAction,
-        default=ADMIT_IN_WAIT,
-        help="the worker's engine takes in new jobs and builds the next step's while the GPU "
-        "runs a step (off: between steps)",
-    )
+    """The worker's switches (WORKER_SWITCHES), each defaulting to the worker's default."""
+    for name, help_text in WORKER_SWITCHES.items():
+        ap.add_argument(
+            switch_flag(name, True),
+            action=argparse.BooleanOptionalAction,
+            default=switch_default(name),
+            help=help_text,
+        )
+
+
+def worker_options(args: argparse.Namespace) -> dict[str, bool]:
+    """The worker's switches as parsed, for ExlqPath(worker_switches=...)."""
+    return {name: bool(getattr(args, name)) for name in WORKER_SWITCHES}
 
 
 def add_gc_option(ap: argparse.ArgumentParser) -> None:
@@ -277,8 +292,7 @@ class ExlqPath:
         prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
         admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
         gpu_embedding: bool = GPU_EMBEDDING,
-        overlap_reports: bool = OVERLAP_REPORTS,
-        admit_in_wait: bool = ADMIT_IN_WAIT,
+        worker_switches: dict[str, bool] | None = None,
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
@@ -298,10 +312,11 @@ class ExlqPath:
             "--prefill-batch-tokens": str(prefill_batch_tokens),
             "--admit-prompt-tokens": str(admit_prompt_tokens),
         }
+        switches = {name: switch_default(name) for name in WORKER_SWITCHES}
+        switches.update(worker_switches or {})
         self.flags = [
-            "--gpu-embedding" if gpu_embedding else "--no-gpu-embedding",
-            "--overlap-reports" if overlap_reports else "--no-overlap-reports",
-            "--admit-in-wait" if admit_in_wait else "--no-admit-in-wait",
+            switch_flag("gpu_embedding", gpu_embedding),
+            *(switch_flag(name, on) for name, on in switches.items()),
         ]
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus

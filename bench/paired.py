@@ -38,6 +38,9 @@ from bench.exlq_path import (
     add_worker_options,
     engine_options,
     freeze_loaded_objects,
+    switch_default,
+    switch_flag,
+    worker_options,
 )
 from bench.make_checkpoint import make_checkpoint
 from bench.placement import Placement, on_cpus, placement
@@ -111,8 +114,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
             attention="exlq",
             worker_cpus=place.server,
             redis_cpus=place.load,
-            overlap_reports=args.overlap_reports,
-            admit_in_wait=args.admit_in_wait,
+            worker_switches=worker_options(args),
             **engine_options(args),
         ) as path:
             if args.freeze_gc:
@@ -417,8 +419,11 @@ def main() -> None:
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
         + ("" if args.freeze_gc else " --no-freeze-gc")
-        + ("" if args.overlap_reports else " --no-overlap-reports")
-        + ("" if args.admit_in_wait else " --no-admit-in-wait")
+        + "".join(
+            f" {switch_flag(name, on)}"
+            for name, on in worker_options(args).items()
+            if on != switch_default(name)
+        )
         + (
             ""
             if args.admit_prompt_tokens == ADMIT_PROMPT_TOKENS

@@ -629,7 +629,7 @@ class TracedSystems:
 
 def measure(args: argparse.Namespace) -> list[Record]:
     from bench import baselines
-    from bench.exlq_path import ExlqPath, engine_options
+    from bench.exlq_path import ExlqPath, engine_options, worker_options
     from bench.make_checkpoint import make_checkpoint
     from bench.placement import placement
 
@@ -650,8 +650,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
             redis_cpus=place.load,
             worker_module="bench.path_trace",
             worker_env={TRACE_ENV: str(trace_dir)},
-            overlap_reports=args.overlap_reports,
-            admit_in_wait=args.admit_in_wait,
+            worker_switches=worker_options(args),
             **engine_options(args),
         ) as path:
             systems = TracedSystems(

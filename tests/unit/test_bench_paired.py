@@ -165,3 +165,20 @@ def test_pooling_files_of_two_shapes_is_refused(tmp_path: Path) -> None:
         (tmp_path / f"{shape}.json").write_text(json.dumps({"meta": meta, "runs": []}))
     with pytest.raises(SystemExit, match="different shapes"):
         pool([tmp_path / "1b.json", tmp_path / "8b.json"])
+
+
+def test_the_worker_switches_the_bench_passes_are_flags_the_worker_takes() -> None:
+    """ExlqPath spells each worker switch as the worker's CLI does, on and off."""
+    from typer.testing import CliRunner
+
+    from bench.exlq_path import WORKER_SWITCHES, ExlqPath
+    from producer.cli import app
+
+    worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
+    for on in (True, False):
+        flags = ExlqPath(
+            "/m", max_batch_size=1, worker_switches=dict.fromkeys(WORKER_SWITCHES, on)
+        ).flags
+        assert len(flags) == len(WORKER_SWITCHES) + 1  # and --gpu-embedding
+        for flag in flags:
+            assert flag in worker_help, flag
