@@ -90,28 +90,35 @@ def _wrap_engine_internals() -> None:
     except ImportError:  # no torch here: the echo engine
         return
 
-    def timed(inner: Callable[..., Any], part: str, inside: str | None) -> Callable[..., Any]:
-        """``inner`` timed into ``part``, or into ``inside`` when iterate() runs it."""
+    def timed(inner: Callable[..., Any], part: str, in_iterate: str) -> Callable[..., Any]:
+        """``inner`` timed into ``part``, or into ``in_iterate`` when iterate() runs it."""
 
         @functools.wraps(inner)
         def wrapper(*args: Any) -> Any:
-            outer = _in_iterate[0]
-            into = inside if inside is not None and outer else part
-            if inside is None:  # iterate() itself
-                _in_iterate[0] = True
             begin = perf_counter()
             try:
                 return inner(*args)
             finally:
-                _step_parts[into] += perf_counter() - begin
-                _in_iterate[0] = outer
+                _step_parts[in_iterate if _in_iterate[0] else part] += perf_counter() - begin
 
         return wrapper
+
+    iterate = ExlqDynamicGenerator.iterate
+
+    @functools.wraps(iterate)
+    def timed_iterate(*args: Any) -> Any:
+        _in_iterate[0] = True
+        begin = perf_counter()
+        try:
+            return iterate(*args)
+        finally:
+            _step_parts["iterate_s"] += perf_counter() - begin
+            _in_iterate[0] = False
 
     ExLlamaV2Engine._build_startable = timed(  # type: ignore[method-assign]
         ExLlamaV2Engine._build_startable, "build_s", "wait_build_s"
     )
-    ExlqDynamicGenerator.iterate = timed(ExlqDynamicGenerator.iterate, "iterate_s", None)  # type: ignore[method-assign]
+    ExlqDynamicGenerator.iterate = timed_iterate  # type: ignore[method-assign,assignment]
 
 
 def _wrap_worker(trace: TraceFile) -> None:
