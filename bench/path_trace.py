@@ -331,6 +331,10 @@ class EngineClassAlone:
         )
         self.engine = load_exllamav2_engine(settings)
         _wrap_engine_internals()  # times this process's builds and iterate() calls
+        # As the engine loop does (--admit-in-wait): each step's wait for the GPU readies the
+        # next one, and what that ends belongs to the step.
+        self._readied: list[Any] = []
+        self.engine.set_wait_work(lambda: self._readied.extend(self.engine.prepare_next_step()))
 
     def _requests(self, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
         from producer.protocol import GenerationRequest, Sampling
@@ -356,8 +360,9 @@ class EngineClassAlone:
         while ended < len(requests):
             _step_parts.update(build_s=0.0, iterate_s=0.0, wait_build_s=0.0)
             begin = perf_counter()
-            outputs = self.engine.step()
+            outputs = self.engine.step() + self._readied
             end = perf_counter()
+            self._readied.clear()
             steps.append([begin, end, *_step_parts.values()])
             for o in outputs:
                 if isinstance(o, TokenChunk):

@@ -103,8 +103,9 @@ class EngineLoop:
         self._step_waited = False  # the last step ran the wait work: the engine waits
         self._streaming: set[str] = set()  # jobs whose first text has been reported
         # With admit_in_wait, the jobs that arrive while a step waits for the GPU are added
-        # in that wait. Commands taken there behind the first that is not an add wait here,
-        # in order, for the step's end; the adds' errors go into the pass's outputs.
+        # in that wait, and the engine readies the next step there. Commands taken there
+        # behind the first that is not an add wait here, in order, for the step's end; what
+        # the wait's adds and readying end goes into the pass's outputs.
         self._deferred: list[_Command] = []
         self._outputs: list[EngineOutput] = []
 
@@ -202,9 +203,9 @@ class EngineLoop:
 
     def _in_wait(self) -> None:
         """The engine's wait work, run while the GPU runs the step: the held report goes
-        out (overlap_reports), then the jobs that have arrived are added (admit_in_wait), so
-        that the engine may build them before the next step. A failing sink must not fail
-        the step's jobs: its error is raised after the step."""
+        out (overlap_reports), then the jobs that have arrived are added and the engine
+        readies the next step (admit_in_wait): it may build the jobs that step will start. A
+        failing sink must not fail the step's jobs: its error is raised after the step."""
         self._step_waited = True
         if self.overlap_reports:
             try:
@@ -213,6 +214,7 @@ class EngineLoop:
                 self._held_error = exc
         if self.admit_in_wait:
             self._add_arrived()
+            self._outputs += self.engine.prepare_next_step()
 
     def _add_arrived(self) -> None:
         """Add the jobs of the add commands that have arrived, up to the first command of

@@ -216,13 +216,20 @@ def _run_burst(engine: Any, admit_in_wait: bool) -> dict[str, Any]:
             raise RuntimeError("no pages")
         build(accepted)
 
-    engine._build, engine.admit_in_wait = failing_build, admit_in_wait
+    engine._build = failing_build
+    # As the engine loop does with admit_in_wait: the step's wait for the GPU readies the
+    # next step, and what that ends is the step's.
+    in_wait: list[Any] = []
+    if admit_in_wait:
+        engine.set_wait_work(lambda: in_wait.extend(engine.prepare_next_step()))
     burst: dict[str, Any] = {"started_in": {}, "ended_in": {}, "tokens": {}}
     step = 0
     try:
         while engine.active_jobs:
             step += 1
-            for output in engine.step():
+            outputs = engine.step() + in_wait
+            in_wait.clear()
+            for output in outputs:
                 if isinstance(output, TokenChunk):
                     burst["tokens"].setdefault(output.job_id, []).extend(output.token_ids)
                 else:
@@ -236,16 +243,16 @@ def _run_burst(engine: Any, admit_in_wait: bool) -> dict[str, Any]:
                 )
     finally:
         del engine._build
-        engine.admit_in_wait = True
+        engine.set_wait_work(None)
     return burst
 
 
 def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
     """Jobs are checked on arrival and built only when a step could start them (one past
     the admission budget's slice); with admit_in_wait, the next slice is built in the
-    step's wait for the GPU. A job cancelled before its build ends with no tokens; a build
-    that fails ends its job alone, in the step that tried it; slices start in order; the
-    tokens do not depend on where the jobs were built."""
+    step's wait for the GPU (prepare_next_step). A job cancelled before its build ends with
+    no tokens; a build that fails ends its job alone, in the step that tried it; slices
+    start in order; the tokens do not depend on where the jobs were built."""
     from worker.engines.base import JobEnded, JobErrored
 
     assert engine.admit_prompt_tokens == 8192  # the default: slices of 8 prompts of 1,000

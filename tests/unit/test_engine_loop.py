@@ -344,3 +344,58 @@ def test_without_admit_in_wait_jobs_are_added_between_steps() -> None:
         "add c",
     ]
     assert JobErrored("b", "invalid_request", "refused") in outputs
+
+
+class ReadyingEngine(ScriptedEngine):
+    """ScriptedEngine whose readying of the next step ends job "late" (as a build that
+    failed) the first time it runs, and counts its calls."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__(log, waits=EVERY_STEP)
+        self.readied = 0
+
+    def prepare_next_step(self) -> list[EngineOutput]:
+        self.readied += 1
+        self.log.append(f"ready {self.steps}")
+        if self.readied == 1:
+            return [JobErrored("late", "engine_error", "RuntimeError: no pages")]
+        return []
+
+
+def _run_readying(admit_in_wait: bool) -> tuple[ReadyingEngine, list[str], list[StepReport]]:
+    log: list[str] = []
+    reports: list[StepReport] = []
+    done = threading.Event()
+
+    def sink(report: StepReport) -> None:
+        reports.append(report)
+        if any(isinstance(o, JobEnded) for o in report.outputs):
+            done.set()
+
+    engine = ReadyingEngine(log)
+    loop = EngineLoop(engine, overlap_reports=False, admit_in_wait=admit_in_wait)
+    loop.start(sink)
+    loop.add_many([("a", GenerationRequest(prompt="one two", max_new_tokens=2))])
+    assert done.wait(5)
+    loop.stop(5)
+    return engine, log, reports
+
+
+def test_the_wait_readies_the_next_step_and_its_ends_go_with_the_step() -> None:
+    _, log, reports = _run_readying(admit_in_wait=True)
+    # Once in each step's wait, after the step began and before it ended.
+    assert [line for line in log if not line.startswith("add ")] == [
+        "step 1",
+        "ready 1",
+        "end 1",
+        "step 2",
+        "ready 2",
+        "end 2",
+    ]
+    errors = [o for o in reports[0].outputs if isinstance(o, JobErrored)]
+    assert errors == [JobErrored("late", "engine_error", "RuntimeError: no pages")]
+
+
+def test_without_admit_in_wait_the_wait_readies_nothing() -> None:
+    engine, _, _ = _run_readying(admit_in_wait=False)
+    assert engine.readied == 0

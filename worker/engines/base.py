@@ -112,11 +112,18 @@ class Engine(ABC):
     def set_wait_work(self, work: Callable[[], None] | None) -> None:
         """Work a step may run on the engine thread while it waits for its device: once the
         step's forward pass is queued on the GPU, before the wait for its result. It must not
-        raise. The engine loop sends the previous step's report there, and adds the jobs that
-        have arrived, so add() may be called from inside step(). An engine that never waits
-        may ignore it; the loop then sends each step's report as the step ends, and adds the
-        jobs between steps."""
+        raise. The engine loop sends the previous step's report there, adds the jobs that
+        have arrived and calls prepare_next_step(), so add() and prepare_next_step() may be
+        called from inside step(). An engine that never waits may ignore it; the loop then
+        does all of it between steps."""
         self.wait_work = work
+
+    def prepare_next_step(self) -> list[EngineOutput]:
+        """Readying for the next step that may run inside this one's wait for its device
+        (the engine loop calls it there, after adding the jobs that arrived): an engine may
+        build the jobs the next step will start. Returns the ends of jobs it could not ready.
+        Default: nothing to do."""
+        return []
 
     @abstractmethod
     def abort_all(self) -> list[str]:

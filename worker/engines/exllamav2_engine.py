@@ -139,12 +139,6 @@ class ExLlamaV2Engine(Engine):
         # os.urandom, about 15 us a job; an integer seed drawn here costs half that. Sampling
         # needs independent streams, not secrets: a 64-bit seed per job gives them.
         self._seeds = random.Random()
-        # With admit_in_wait, exlq's generator builds the next step's jobs while the GPU runs
-        # this one (_in_wait); a build that fails there is reported with the step's outputs.
-        self.admit_in_wait = settings.admit_in_wait
-        self._failed_in_wait: list[EngineOutput] = []
-        if hasattr(self.generator, "wait_work"):
-            self.generator.wait_work = self._in_wait
         log.info(
             "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
             "sampling on the %s, embedding table on the %s, prefill %s, %s",
@@ -277,28 +271,23 @@ class ExLlamaV2Engine(Engine):
         return JobEnded(job_id, "cancelled", entry.prompt_tokens, int(entry.job.new_tokens))
 
     def set_wait_work(self, work: Callable[[], None] | None) -> None:
-        """exlq's generator runs it in the decode step (through _in_wait), once the GPU has
-        the forward pass and the sampling queued, before it waits for the sampled tokens."""
+        """exlq's generator runs it in the decode step, once the GPU has the forward pass
+        and the sampling queued, before it waits for the sampled tokens."""
         self.wait_work = work
+        if hasattr(self.generator, "wait_work"):
+            self.generator.wait_work = work
 
-    def _in_wait(self) -> None:
-        """The generator's wait work: the loop's (the held report; the jobs that have
-        arrived), then, with admit_in_wait, the builds the next step would start with. The
-        GPU runs the step meanwhile: a burst's later slices are built during the prefill of
-        the slice before, not at the start of their own step."""
-        if self.wait_work is not None:
-            self.wait_work()
-        if self.admit_in_wait:
-            self._failed_in_wait += self._build_startable()
+    def prepare_next_step(self) -> list[EngineOutput]:
+        """Build the jobs the next step could start. From the wait for the GPU, a burst's
+        later slices are built during the prefill of the slice before, not at the start of
+        their own step with the GPU idle."""
+        return self._build_startable()
 
     def step(self) -> list[EngineOutput]:
         outputs = self._build_startable()
         for result in self.generator.iterate():
             if result["stage"] == "streaming":
                 self._add_outputs(result, outputs)
-        if self._failed_in_wait:
-            outputs += self._failed_in_wait
-            self._failed_in_wait = []
         return outputs
 
     def _add_outputs(self, result: dict[str, Any], outputs: list[EngineOutput]) -> None:
@@ -350,9 +339,8 @@ class ExLlamaV2Engine(Engine):
         return choices
 
     def abort_all(self) -> list[str]:
-        ids = [*self._jobs, *self._unbuilt.clear(), *(o.job_id for o in self._failed_in_wait)]
+        ids = [*self._jobs, *self._unbuilt.clear()]
         self._jobs.clear()
-        self._failed_in_wait = []
         try:
             self.generator.clear_queue()
             self._torch.cuda.synchronize()
