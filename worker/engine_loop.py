@@ -158,6 +158,9 @@ class EngineLoop:
         except BaseException as exc:  # the thread must never die silently
             log.critical("engine loop crashed", exc_info=True)
             self._report_fatal(repr(exc))
+        finally:
+            # A loop that has ended leaves no work in the engine: another may drive it.
+            self.engine.set_wait_work(None)
 
     def _report_fatal(self, reason: str) -> None:
         held, self._held = self._held, None

@@ -399,3 +399,12 @@ def test_the_wait_readies_the_next_step_and_its_ends_go_with_the_step() -> None:
 def test_without_admit_in_wait_the_wait_readies_nothing() -> None:
     engine, _, _ = _run_readying(admit_in_wait=False)
     assert engine.readied == 0
+
+
+def test_a_stopped_loop_leaves_no_wait_work_in_the_engine() -> None:
+    engine = ReadyingEngine([])
+    loop = EngineLoop(engine)
+    loop.start(lambda report: None)
+    loop.add_many([("a", GenerationRequest(prompt="one", max_new_tokens=1))])
+    loop.stop(5)
+    assert engine.wait_work is None
