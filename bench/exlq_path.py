@@ -33,6 +33,8 @@ WORKER_SWITCHES: dict[str, str] = {
     "GPU (off: as each step ends)",
     "admit_in_wait": "the worker's engine takes in new jobs and builds the next step's while "
     "the GPU runs a step (off: between steps)",
+    "offer_before_start": "the worker offers a piece's jobs to its engine as it parses them, "
+    "so the engine builds them while Redis runs the start script (off: after it)",
 }
 
 

@@ -69,6 +69,7 @@ def _install_in_worker(trace: TraceFile) -> None:
     gc.callbacks.append(GcClock(lambda begin, gen: trace.note("gc", begin=begin, gen=gen)))
     _wrap_worker(trace)
     _wrap_engine_loop(trace)
+    _wrap_engine_offers(trace)
     import multiprocessing
 
     # The engine process (spawn names it before it imports this module): exllamav2 is here.
@@ -165,6 +166,23 @@ def _wrap_worker(trace: TraceFile) -> None:
         hand(self, jobs)
         trace.note("hand_end")
 
+    # --offer-before-start: the parts offered as they are parsed, then the piece's admit,
+    # which is its hand-over.
+    offer = EngineProcess.offer
+
+    @functools.wraps(offer)
+    def traced_offer(self: Any, round_id: int, jobs: list[Any]) -> None:
+        offer(self, round_id, jobs)
+        trace.note("offer_sent", n=len(jobs))
+
+    admit = EngineProcess.admit
+
+    @functools.wraps(admit)
+    def traced_admit(self: Any, round_id: int, jobs: list[Any]) -> None:
+        trace.note("hand_begin", n=len(jobs))
+        admit(self, round_id, jobs)
+        trace.note("hand_end")
+
     from worker.broker import Broker
 
     read = Broker.read
@@ -182,6 +200,8 @@ def _wrap_worker(trace: TraceFile) -> None:
     Worker.commit = traced_commit  # type: ignore[method-assign]
     Worker._take_report = traced_take_report  # type: ignore[method-assign]
     EngineProcess.add_many = traced_hand  # type: ignore[method-assign]
+    EngineProcess.offer = traced_offer  # type: ignore[method-assign]
+    EngineProcess.admit = traced_admit  # type: ignore[method-assign]
 
 
 def _wrap_engine_loop(trace: TraceFile) -> None:
@@ -200,12 +220,17 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
 
     @functools.wraps(apply)
     def traced_apply(self: Any, commands: list[Any], outputs: list[Any]) -> bool:
-        adds = sum(len(c.jobs) for c in commands if hasattr(c, "jobs"))
-        if not adds:
+        # Jobs started (adds, admits), and jobs only offered: prepared, not started.
+        adds = sum(len(c.jobs) for c in commands if type(c).__name__ in ("_Add", "_Admit"))
+        offers = sum(len(c.jobs) for c in commands if type(c).__name__ == "_Offer")
+        if not adds and not offers:
             return apply(self, commands, outputs)
         begin = perf_counter()
         kept = apply(self, commands, outputs)
-        trace.note("apply", begin=begin, n=adds)
+        if adds:
+            trace.note("apply", begin=begin, n=adds)
+        else:
+            trace.note("offer_apply", begin=begin, n=offers)
         return kept
 
     step = Loop._step
@@ -239,6 +264,36 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
     Loop._apply = traced_apply  # type: ignore[method-assign]
     Loop._step = traced_step  # type: ignore[method-assign]
     Loop.start = traced_start  # type: ignore[method-assign]
+
+
+def _wrap_engine_offers(trace: TraceFile) -> None:
+    """--offer-before-start in the engine process: each part offered, the admit, and the
+    engine's builds ahead of the admit."""
+    from worker.engine_loop import EngineLoop as Loop
+
+    loop_offer, loop_admit = Loop.offer, Loop.admit
+
+    @functools.wraps(loop_offer)
+    def traced_loop_offer(self: Any, round_id: int, jobs: list[Any]) -> None:
+        trace.note("offer_recv", n=len(jobs))
+        loop_offer(self, round_id, jobs)
+
+    @functools.wraps(loop_admit)
+    def traced_loop_admit(self: Any, round_id: int, jobs: list[Any]) -> None:
+        trace.note("engine_recv", n=len(jobs))
+        loop_admit(self, round_id, jobs)
+
+    build_ahead = Loop._build_ahead
+
+    @functools.wraps(build_ahead)
+    def traced_build_ahead(self: Any) -> None:
+        begin = perf_counter()
+        build_ahead(self)
+        trace.note("build_ahead", begin=begin)
+
+    Loop.offer = traced_loop_offer  # type: ignore[method-assign]
+    Loop.admit = traced_loop_admit  # type: ignore[method-assign]
+    Loop._build_ahead = traced_build_ahead  # type: ignore[method-assign]
 
 
 if os.environ.get(TRACE_ENV):  # the worker, and its engine process
@@ -442,6 +497,13 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         "pieces_handed": [_ms(r["t"], t0) for r in at("hand_end")],
         "engine_recv": [_ms(r["t"], t0) for r in at("engine_recv")],
         "engine_apply": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("apply")],
+        # --offer-before-start: parts offered (worker), received and prepared (engine), and
+        # the engine's builds ahead of the admit, [begin, end] ms
+        "offers_sent": [[_ms(r["t"], t0), r["n"]] for r in at("offer_sent")][:16],
+        "offers_applied": [
+            [_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("offer_apply")
+        ][:16],
+        "builds_ahead": [[_ms(r["begin"], t0), _ms(r["t"], t0)] for r in at("build_ahead")][:16],
         "steps": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["active"], r["firsts"]] for r in steps],
         # ms of each step building jobs before iterate(), in exllamav2's iterate(), and
         # building jobs inside iterate's wait for the GPU (the engine process)
@@ -473,7 +535,20 @@ STAGES: list[tuple[str, Callable[[Record], float]]] = [
     ("its events are in Redis (commit script returns)", lambda r: r["commits_end"][0]),
     ("the SDK reads the median job's first event", lambda r: r["sdk_first_event_by_group"][0]),
     ("the median job's stream() yields it", lambda r: r["first_token_by_group"][0]),
+    # --offer-before-start: the first piece before its admit (the hand-over above)
+    ("offered: the worker sends the first part", lambda r: r["offers_sent"][0][0]),
+    ("offered: the engine has prepared the last part", lambda r: _before_admit(r)[0]),
+    ("offered: the engine has built ahead", lambda r: _before_admit(r)[1]),
 ]
+
+
+def _before_admit(r: Record) -> tuple[float, float]:
+    """The end of the last offer the engine prepared, and of its last build ahead, before
+    the first piece's admit was applied."""
+    admitted = r["engine_apply"][0][1]
+    prepared = max(end for _, end, _ in r["offers_applied"] if end <= admitted)
+    built = max(end for _, end in r["builds_ahead"] if end <= admitted)
+    return prepared, built
 
 
 def stage_table(runs: list[Record]) -> str:

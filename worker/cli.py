@@ -63,6 +63,13 @@ AdmitInWait = Annotated[
         help="take in new jobs and build the next step's while the GPU runs a step",
     ),
 ]
+OfferBeforeStart = Annotated[
+    bool | None,
+    typer.Option(
+        "--offer-before-start/--no-offer-before-start",
+        help="let the engine check and build a piece's jobs while Redis runs the start script",
+    ),
+]
 PrefillBatchTokens = Annotated[
     int | None,
     typer.Option(
@@ -114,6 +121,7 @@ def worker(
     gpu_embedding: GpuEmbedding = None,
     overlap_reports: OverlapReports = None,
     admit_in_wait: AdmitInWait = None,
+    offer_before_start: OfferBeforeStart = None,
     prefill_batch_tokens: PrefillBatchTokens = None,
     admit_prompt_tokens: AdmitPromptTokens = None,
     log_level: LogLevel = None,
@@ -140,6 +148,7 @@ def worker(
         gpu_embedding=gpu_embedding,
         overlap_reports=overlap_reports,
         admit_in_wait=admit_in_wait,
+        offer_before_start=offer_before_start,
         prefill_batch_tokens=prefill_batch_tokens,
         admit_prompt_tokens=admit_prompt_tokens,
         log_level=log_level,
@@ -165,6 +174,7 @@ def up(
     gpu_embedding: GpuEmbedding = None,
     overlap_reports: OverlapReports = None,
     admit_in_wait: AdmitInWait = None,
+    offer_before_start: OfferBeforeStart = None,
     metrics_port: MetricsPort = None,
     echo_tokens_per_second: EchoRate = None,
     log_level: LogLevel = None,
@@ -187,6 +197,7 @@ def up(
         gpu_embedding=gpu_embedding,
         overlap_reports=overlap_reports,
         admit_in_wait=admit_in_wait,
+        offer_before_start=offer_before_start,
         metrics_port=metrics_port,
         echo_tokens_per_second=echo_tokens_per_second,
         log_level=log_level,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -37,11 +38,34 @@ class _Cancel:
     job_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Offer:
+    round: int
+    jobs: list[tuple[str, GenerationRequest]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Admit:
+    round: int
+    jobs: list[tuple[str, GenerationRequest | None]]
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Cancel | _Stop
+_Command = _Add | _Offer | _Admit | _Cancel | _Stop
+# Commands that only bring jobs in: a step's wait for the GPU may apply them (admit_in_wait).
+_TAKE_IN = (_Add, _Offer, _Admit)
+
+
+@dataclass(frozen=True, slots=True)
+class _Offered:
+    """A job offered ahead of its start: what the engine's prepare() returned, or why the
+    job will fail if it is started."""
+
+    prepared: object
+    error: JobErrored | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +95,17 @@ class EngineRunner(Protocol):
 
     def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         """Hand (job id, request) pairs over together: the engine admits them in one pass."""
+        ...
+
+    def offer(self, round_id: int, jobs: list[tuple[str, GenerationRequest]]) -> None:
+        """Jobs the worker is about to start (one round: the entries of one piece, offered
+        in one or more calls before the start script's verdict). The engine may check and
+        build them now, but runs none until admit() names it."""
+        ...
+
+    def admit(self, round_id: int, jobs: list[tuple[str, GenerationRequest | None]]) -> None:
+        """End a round: start these jobs in one pass, in order (a request of None: the one
+        offered under that id in this round), and drop the round's other offers."""
         ...
 
     def cancel(self, job_id: str) -> None: ...
@@ -108,6 +143,8 @@ class EngineLoop:
         # the wait's adds and readying end goes into the pass's outputs.
         self._deferred: list[_Command] = []
         self._outputs: list[EngineOutput] = []
+        # Jobs offered ahead of their start, by round, until the round's admit.
+        self._offered: dict[int, dict[str, _Offered]] = {}
 
     def start(self, report: ReportSink) -> None:
         self._report = report
@@ -119,6 +156,13 @@ class EngineLoop:
     def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         if jobs:
             self._commands.put(_Add(jobs))
+
+    def offer(self, round_id: int, jobs: list[tuple[str, GenerationRequest]]) -> None:
+        if jobs:
+            self._commands.put(_Offer(round_id, jobs))
+
+    def admit(self, round_id: int, jobs: list[tuple[str, GenerationRequest | None]]) -> None:
+        self._commands.put(_Admit(round_id, jobs))
 
     def cancel(self, job_id: str) -> None:
         self._commands.put(_Cancel(job_id))
@@ -135,9 +179,10 @@ class EngineLoop:
                 outputs: list[EngineOutput] = []
                 self._outputs = outputs
                 # Block only while idle; with work in flight, take what has arrived and step.
-                if not self._apply(
-                    self._take_commands(block=self.engine.active_jobs == 0), outputs
-                ):
+                idle = self.engine.active_jobs == 0
+                if idle and self._offered:
+                    self._build_ahead()
+                if not self._apply(self._take_commands(block=idle), outputs):
                     self._send_held()
                     return
                 self._step_waited = False
@@ -225,7 +270,7 @@ class EngineLoop:
         keep their order and a cancel never runs inside a step."""
         commands = self._take_commands(block=False)
         adds = next(
-            (i for i, command in enumerate(commands) if not isinstance(command, _Add)),
+            (i for i, command in enumerate(commands) if not isinstance(command, _TAKE_IN)),
             len(commands),
         )
         self._deferred = commands[adds:]
@@ -249,21 +294,60 @@ class EngineLoop:
                 ended = self.engine.cancel(command.job_id)
                 if ended is not None:
                     outputs.append(ended)
-                continue
-            for job_id, request in command.jobs:
-                self._add(job_id, request, outputs)
+            elif isinstance(command, _Offer):
+                offered = self._offered.setdefault(command.round, {})
+                for job_id, request in command.jobs:
+                    offered[job_id] = self._prepare(job_id, request)
+            elif isinstance(command, _Admit):
+                self._admit(command, outputs)
+            else:
+                for job_id, request in command.jobs:
+                    self._add(job_id, request, outputs)
         return True
 
-    def _add(self, job_id: str, request: GenerationRequest, outputs: list[EngineOutput]) -> None:
+    def _prepare(self, job_id: str, request: GenerationRequest) -> _Offered:
+        prepared: list[object] = []
+        error = _refusal(job_id, lambda: prepared.append(self.engine.prepare(job_id, request)))
+        return _Offered(prepared[0] if prepared else None, error)
+
+    def _admit(self, command: _Admit, outputs: list[EngineOutput]) -> None:
+        """Start the round's named jobs in order; its other offers are dropped with it."""
+        offered = self._offered.pop(command.round, {})
+        for job_id, request in command.jobs:
+            if request is not None:
+                self._add(job_id, request, outputs)
+                continue
+            found = offered.get(job_id)
+            if found is None:  # the worker named a job it did not offer: its bug, not the job's
+                outputs.append(
+                    JobErrored(job_id, "internal_error", "the job was started without its request")
+                )
+            else:
+                admit = functools.partial(self.engine.admit, job_id, found.prepared)
+                error = found.error or _refusal(job_id, admit)
+                if error is not None:
+                    outputs.append(error)
+
+    def _build_ahead(self) -> None:
+        """While idle, with jobs offered and their start awaited: the engine may build what
+        its first step will start, in the time the worker's start script takes."""
+        prepared = [
+            offered.prepared
+            for by_id in self._offered.values()
+            for offered in by_id.values()
+            if offered.error is None
+        ]
         try:
-            self.engine.add(job_id, request)
-        except InvalidRequest as exc:
-            outputs.append(JobErrored(job_id, "invalid_request", str(exc)))
+            self.engine.build_ahead(prepared)
         except EngineDead:
             raise
-        except Exception as exc:
-            log.exception("engine refused job %s", job_id)
-            outputs.append(JobErrored(job_id, "engine_error", describe_error(exc)))
+        except Exception:  # the jobs are built, or fail, at their step as without it
+            log.exception("building offered jobs ahead failed")
+
+    def _add(self, job_id: str, request: GenerationRequest, outputs: list[EngineOutput]) -> None:
+        error = _refusal(job_id, lambda: self.engine.add(job_id, request))
+        if error is not None:
+            outputs.append(error)
 
     def _step(self, outputs: list[EngineOutput]) -> float:
         jobs = self.engine.active_jobs
@@ -284,6 +368,20 @@ class EngineLoop:
             # Usually kernel compilation for a new shape, or many prefills in one iteration.
             log.warning("engine step took %.0f ms with %d jobs", seconds * 1000, jobs)
         return seconds
+
+
+def _refusal(job_id: str, call: Callable[[], object]) -> JobErrored | None:
+    """Run the engine's intake call for one job: None, or the job's error if it refused."""
+    try:
+        call()
+    except InvalidRequest as exc:
+        return JobErrored(job_id, "invalid_request", str(exc))
+    except EngineDead:
+        raise
+    except Exception as exc:
+        log.exception("engine refused job %s", job_id)
+        return JobErrored(job_id, "engine_error", describe_error(exc))
+    return None
 
 
 def _no_sink(report: StepReport) -> None:

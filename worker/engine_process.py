@@ -107,6 +107,14 @@ class EngineProcess:
         if jobs:  # one message: the child's engine admits them in one pass
             self._send(("add", jobs))
 
+    def offer(self, round_id: int, jobs: list[tuple[str, GenerationRequest]]) -> None:
+        if jobs:
+            self._send(("offer", round_id, jobs))
+
+    def admit(self, round_id: int, jobs: list[tuple[str, GenerationRequest | None]]) -> None:
+        # The requests offered in this round cross the pipe once: admit names them by id.
+        self._send(("admit", round_id, jobs))
+
     def cancel(self, job_id: str) -> None:
         self._send(("cancel", job_id))
 
@@ -217,6 +225,10 @@ def _serve_commands(loop: EngineLoop, commands: Connection) -> None:
             return
         if message[0] == "add":
             loop.add_many(message[1])
+        elif message[0] == "offer":
+            loop.offer(message[1], message[2])
+        elif message[0] == "admit":
+            loop.admit(message[1], message[2])
         elif message[0] == "cancel":
             loop.cancel(message[1])
         elif message[0] == "stop":

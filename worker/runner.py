@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from worker.engine_loop import EngineRunner, StepReport
 from worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
 from worker.limits import RequestLimits
 from worker.metrics import Metrics
+from worker.offer_round import OfferRound
 from worker.running_job import RunningJob
 from worker.settings import WorkerSettings
 
@@ -71,6 +73,7 @@ class Worker:
         self.closing = asyncio.Event()
         self._engine_dead = asyncio.Event()
         self._redis_ok = False
+        self._rounds = itertools.count()  # ids of the pieces offered to the engine
 
     @property
     def ready(self) -> bool:
@@ -185,12 +188,37 @@ class Worker:
     async def _accept_piece(self, entries: list[StreamEntry]) -> None:
         batch = Batch()
         decoded: list[tuple[StreamEntry, GenerationRequest]] = []
+        # With --offer-before-start the engine readies the piece's jobs while the worker
+        # parses the rest and runs the start script (offer_round.py). A job this worker
+        # holds is not offered: the engine runs it under that id already.
+        offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
         for entry in entries:
             self.metrics.job_received()
             try:
-                decoded.append((entry, self._decode(entry)))
+                request = self._decode(entry)
             except InvalidRequest as exc:
                 self._reject(batch, entry, str(exc))
+                continue
+            decoded.append((entry, request))
+            if request.id not in self.held:
+                offers.offer(request)
+        offers.flush()
+        try:
+            admitted = await self._start_piece(batch, decoded)
+        except BaseException:
+            offers.withdraw()  # the entries stay pending in Redis
+            raise
+        # One hand-over: the engine starts the jobs of one piece in the same pass.
+        offers.admit(admitted)
+        self._note_held()
+        if batch:
+            await self.commit(batch)
+
+    async def _start_piece(
+        self, batch: Batch, decoded: list[tuple[StreamEntry, GenerationRequest]]
+    ) -> list[tuple[str, GenerationRequest]]:
+        """Run the start script for the piece's parsed jobs; settle those it refuses (into
+        ``batch``) and return the ones the engine is to run."""
         decisions = await self.broker.start_jobs(
             [(request.id, entry.entry_id) for entry, request in decoded]
         )
@@ -208,11 +236,7 @@ class Worker:
             )
             if self._start(batch, job, decision, now):
                 admitted.append((job.job_id, request))
-        # One hand-over: the engine starts the jobs of one piece in the same pass.
-        self.engine.add_many(admitted)
-        self._note_held()
-        if batch:
-            await self.commit(batch)
+        return admitted
 
     def _decode(self, entry: StreamEntry) -> GenerationRequest:
         if entry.payload is None:

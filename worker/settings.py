@@ -64,6 +64,11 @@ class WorkerSettings(BaseSettings):
         description="while the GPU runs a step, take in the jobs that have arrived and build "
         "the ones the next step will start; off: both between steps",
     )
+    offer_before_start: bool = Field(
+        True,
+        description="offer a piece's jobs to the engine as they are parsed, so it checks and "
+        "builds them while Redis runs the start script; off: the engine hears of them after it",
+    )
     prefill_batch_tokens: int = Field(
         4096,
         ge=0,

@@ -279,6 +279,82 @@ def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
     assert in_wait["started_in"] == between["started_in"]
 
 
+def _distinct_prompts(engine: Any, count: int, tokens: int) -> dict[str, Any]:
+    """Greedy requests of distinct prompts, so no job reuses another's cached pages."""
+    from producer.protocol import GenerationRequest
+
+    vocab = engine.model.config.vocab_size
+    return {
+        f"o{n:02d}": GenerationRequest(
+            input_ids=[1 + (n * 7919 + i * 104_729) % (vocab - 1) for i in range(tokens)],
+            max_new_tokens=4,
+            ignore_eos=True,
+            sampling={"temperature": 0},
+        )
+        for n in range(count)
+    }
+
+
+def _step_until_idle(engine: Any) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    from worker.engines.base import TokenChunk
+
+    tokens: dict[str, list[int]] = {}
+    ends: dict[str, Any] = {}
+    while engine.active_jobs:
+        for output in engine.step():
+            if isinstance(output, TokenChunk):
+                tokens.setdefault(output.job_id, []).extend(output.token_ids)
+            else:
+                ends[output.job_id] = output
+    return tokens, ends
+
+
+def test_jobs_built_ahead_of_their_start_run_as_jobs_added_after_it(engine: Any) -> None:
+    """--offer-before-start: prepare() checks a job without queuing it; build_ahead() builds
+    the ones the first step would start (the admission budget's slice, one past it); only
+    admitted jobs run, with the same tokens as added ones, in order; a job that cannot be
+    built ahead is built again by its step and fails there, alone."""
+    from worker.engines.base import JobEnded, JobErrored
+
+    requests = _distinct_prompts(engine, 12, 1000)
+    added = {job_id: request for job_id, request in requests.items() if job_id != "o05"}
+    for job_id, request in added.items():
+        engine.add(job_id, request)
+    tokens_added, _ = _step_until_idle(engine)
+
+    generator = engine.generator
+    new_job = engine._new_job
+
+    def failing_new_job(checked: Any) -> Any:
+        if checked.job_id == "o03":
+            raise RuntimeError("no pages")
+        return new_job(checked)
+
+    engine._new_job = failing_new_job
+    try:
+        prepared = {job_id: engine.prepare(job_id, r) for job_id, r in requests.items()}
+        assert engine.active_jobs == 0 and generator.num_remaining_jobs() == 0
+        engine.build_ahead(list(prepared.values()))
+        # 8 prompts of 1,000 hold 8,000 tokens, within 8,192: one more, and no further.
+        built = [job_id for job_id, p in prepared.items() if p.job is not None]
+        assert built == [f"o{n:02d}" for n in range(9) if n != 3]
+        assert generator.num_remaining_jobs() == 0  # built, not queued
+        serial = generator.job_serial
+        # The start script refused o05: the engine never hears of it again.
+        for job_id in added:
+            engine.admit(job_id, prepared[job_id])
+        tokens_ahead, ends = _step_until_idle(engine)
+    finally:
+        del engine._new_job
+    assert ends["o03"] == JobErrored("o03", "engine_error", "RuntimeError: no pages")
+    ran = [job_id for job_id in added if job_id != "o03"]
+    assert all(isinstance(ends[j], JobEnded) and ends[j].completion_tokens == 4 for j in ran)
+    assert "o05" not in ends and "o05" not in tokens_ahead
+    assert tokens_ahead == {j: tokens_added[j] for j in ran}
+    # Queued as enqueue() would: a serial each, in admission order.
+    assert generator.job_serial == serial + len(ran)
+
+
 @pytest.mark.parametrize(
     "sampling",
     [

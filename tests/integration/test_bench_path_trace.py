@@ -90,7 +90,12 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
     # the worker notes its send's end, and the SDK may read an event before the commit's reply.
     way_in, engine_side = stage_ms[:4], stage_ms[4:10]
     assert way_in == sorted(way_in) and engine_side == sorted(engine_side)
-    assert stage_ms[2] <= stage_ms[4] and stage_ms[7] <= min(stage_ms[10:])
+    assert stage_ms[2] <= stage_ms[4] and stage_ms[7] <= min(stage_ms[10:12])
+    # --offer-before-start (the default): the first part went out once the worker started
+    # on the piece, and the engine prepared the piece before it added it (the echo engine
+    # builds nothing ahead, but the loop still gives it the chance).
+    offered, prepared, built = stage_ms[12:15]
+    assert stage_ms[2] <= offered <= prepared <= built <= stage_ms[5]
 
 
 def test_group_medians_are_per_slice_of_jobs_in_submit_order() -> None:

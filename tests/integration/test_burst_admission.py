@@ -105,16 +105,25 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
     assert failed and result.state == "done"
 
 
+@pytest.mark.parametrize("offer_before_start", [True, False])
 async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
-    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    offer_before_start: bool,
 ) -> None:
     """Each piece of a read is started and handed to the engine before the next is
-    started, so the engine can prefill the first while the worker takes in the rest."""
+    started, so the engine can prefill the first while the worker takes in the rest. With
+    --offer-before-start each piece is offered in parts as it is parsed, before its start
+    script; the admit after the script names every offered job by id alone."""
     from worker.engine_loop import EngineLoop
+    from worker.offer_round import OFFER_PART
     from worker.runner import ACCEPT_PIECE
 
     log: list[tuple[str, list[str]]] = []
     real_start, real_add = Broker.start_jobs, EngineLoop.add_many
+    real_offer, real_admit = EngineLoop.offer, EngineLoop.admit
 
     async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
         log.append(("start", [job_id for job_id, _ in jobs]))
@@ -124,27 +133,49 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
         log.append(("add", [job_id for job_id, _ in jobs]))
         real_add(self, jobs)
 
+    def offer(self: EngineLoop, round_id: int, jobs: list[tuple[str, Any]]) -> None:
+        log.append(("offer", [job_id for job_id, _ in jobs]))
+        real_offer(self, round_id, jobs)
+
+    def admit(self: EngineLoop, round_id: int, jobs: list[tuple[str, Any]]) -> None:
+        assert all(request is None for _, request in jobs)  # each was offered
+        log.append(("add", [job_id for job_id, _ in jobs]))
+        real_admit(self, round_id, jobs)
+
     monkeypatch.setattr(Broker, "start_jobs", start_jobs)
     monkeypatch.setattr(EngineLoop, "add_many", add_many)
+    monkeypatch.setattr(EngineLoop, "offer", offer)
+    monkeypatch.setattr(EngineLoop, "admit", admit)
     count = 2 * ACCEPT_PIECE + 5
-    await start_worker(engine=CountingEngine(capacity=128), max_batch_size=128)
+    await start_worker(
+        engine=CountingEngine(capacity=128),
+        max_batch_size=128,
+        offer_before_start=offer_before_start,
+    )
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         burst = await asyncio.gather(
             *(producer.submit(f"burst {i}", max_new_tokens=2) for i in range(count))
         )
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=30)
     assert [r.state for r in results] == ["done"] * count
+    offers = [("offer", OFFER_PART)] * (ACCEPT_PIECE // OFFER_PART) if offer_before_start else []
+    last_offer = [("offer", 5)] if offer_before_start else []
     # One read took the whole burst (it landed in one script) and accepted it in pieces.
     assert [(kind, len(ids)) for kind, ids in log] == [
+        *offers,
         ("start", ACCEPT_PIECE),
         ("add", ACCEPT_PIECE),
+        *offers,
         ("start", ACCEPT_PIECE),
         ("add", ACCEPT_PIECE),
+        *last_offer,
         ("start", 5),
         ("add", 5),
     ]
     handed = [job_id for kind, ids in log if kind == "add" for job_id in ids]
     assert handed == [h.id for h in burst]
+    offered = [job_id for kind, ids in log if kind == "offer" for job_id in ids]
+    assert offered == (handed if offer_before_start else [])
 
 
 async def test_a_full_piece_goes_to_the_engine_before_the_worker_reads_again(

@@ -14,6 +14,7 @@ def test_cuda_graphs_gpu_sampling_gpu_embedding_and_the_wait_work_default_on() -
     settings = load_settings(engine="echo")
     assert settings.cuda_graphs and settings.gpu_sampling and settings.gpu_embedding
     assert settings.overlap_reports and settings.admit_in_wait
+    assert settings.offer_before_start
 
 
 def test_variables_turn_them_off_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,9 +23,12 @@ def test_variables_turn_them_off_and_flags_win(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("EXLQ_GPU_EMBEDDING", "no")
     monkeypatch.setenv("EXLQ_OVERLAP_REPORTS", "false")
     monkeypatch.setenv("EXLQ_ADMIT_IN_WAIT", "false")
+    monkeypatch.setenv("EXLQ_OFFER_BEFORE_START", "false")
     settings = load_settings(engine="echo")
     assert not settings.cuda_graphs and not settings.gpu_sampling and not settings.gpu_embedding
     assert not settings.overlap_reports and not settings.admit_in_wait
+    assert not settings.offer_before_start
+    assert load_settings(engine="echo", offer_before_start=True).offer_before_start
     assert load_settings(engine="echo", overlap_reports=True).overlap_reports
     assert load_settings(engine="echo", admit_in_wait=True).admit_in_wait
     assert load_settings(engine="echo", cuda_graphs=True).cuda_graphs
@@ -50,6 +54,7 @@ def test_worker_and_up_offer_the_flags() -> None:
         assert "--no-gpu-sampling" in result.output, command
         assert "--no-overlap-reports" in result.output, command
         assert "--no-admit-in-wait" in result.output, command
+        assert "--no-offer-before-start" in result.output, command
     worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
     assert "--prefill-batch-tokens" in worker_help
     assert "--admit-prompt-tokens" in worker_help

@@ -101,6 +101,25 @@ class Engine(ABC):
     def add(self, job_id: str, request: GenerationRequest) -> None:
         """Start a job. Raises InvalidRequest if it can never run as written."""
 
+    def prepare(self, job_id: str, request: GenerationRequest) -> object:
+        """Check a request the worker is about to start, and do what running it will need,
+        without running it: what it returns goes to admit() if the worker starts the job,
+        and is dropped if not. Raises InvalidRequest as add() would. Default: nothing ahead;
+        admit() adds the request."""
+        return request
+
+    def admit(self, job_id: str, prepared: object) -> None:
+        """Start a job that prepare() readied (same errors as add())."""
+        if not isinstance(prepared, GenerationRequest):
+            raise TypeError(f"admit() takes what prepare() returned, not {type(prepared)}")
+        self.add(job_id, prepared)
+
+    def build_ahead(self, prepared: list[object]) -> None:  # noqa: B027 - optional hook
+        """Called while the engine is idle and the worker is about to start the jobs these
+        were prepared for (in order): the engine may build the ones its next step would
+        start, so the step need not. It must leave a job it cannot build to admit() or
+        step() to fail. Default: nothing."""
+
     @abstractmethod
     def cancel(self, job_id: str) -> JobEnded | None:
         """Stop a job at once and free its slot; returns its end, or None if it is unknown."""

@@ -82,12 +82,16 @@ class _Job:
     prompt_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Checked:
-    """An accepted request, its prompt encoded, until the engine builds its job."""
+    """A checked request, its prompt encoded, until the engine queues its job; the job, if
+    built ahead of its start (build_ahead)."""
 
+    job_id: str
     request: GenerationRequest
     input_ids: Any  # torch.Tensor, shape (1, prompt tokens)
+    prompt_tokens: int
+    job: Any = None  # ExLlamaV2DynamicJob, ready to queue (exllamav2_generator.ready_job)
 
 
 class ExLlamaV2Engine(Engine):
@@ -167,6 +171,10 @@ class ExLlamaV2Engine(Engine):
     def add(self, job_id: str, request: GenerationRequest) -> None:
         """Check and encode the request now (a bad one raises here); build its job when a
         step could start it."""
+        self.admit(job_id, self.prepare(job_id, request))
+
+    def prepare(self, job_id: str, request: GenerationRequest) -> _Checked:
+        """Check and encode the request (a bad one raises here), without starting it."""
         input_ids = self._encode(request)
         prompt_tokens = int(input_ids.shape[-1])
         if prompt_tokens + request.max_new_tokens > self.max_seq_len:
@@ -175,7 +183,31 @@ class ExLlamaV2Engine(Engine):
                 f"({request.max_new_tokens}) exceeds the {self.max_seq_len} tokens this worker "
                 "can hold for one job: shorten the prompt or lower max_new_tokens"
             )
-        self._unbuilt.put(job_id, prompt_tokens, _Checked(request, input_ids))
+        return _Checked(job_id, request, input_ids, prompt_tokens)
+
+    def admit(self, job_id: str, prepared: object) -> None:
+        """Accept a prepared job: it is queued (and built, if it was not built ahead) when a
+        step could start it."""
+        if not isinstance(prepared, _Checked):
+            raise TypeError(f"admit() takes what prepare() returned, not {type(prepared)}")
+        self._unbuilt.put(job_id, prepared.prompt_tokens, prepared)
+
+    def build_ahead(self, prepared: list[object]) -> None:
+        """Build, in order, the prepared jobs that the next step would start if they were
+        admitted now (the same budget test as _build_startable, the engine being idle). A
+        job that fails to build is left unbuilt: its step builds it again and fails it."""
+        budget = self.admit_prompt_tokens
+        waiting = 0
+        for checked in prepared:
+            if budget and waiting > budget:
+                return
+            assert isinstance(checked, _Checked)
+            waiting += checked.prompt_tokens
+            if checked.job is None:
+                try:
+                    checked.job = self._new_job(checked)
+                except Exception as exc:
+                    log.debug("building job %s ahead failed: %s", checked.job_id, exc)
 
     def _build_startable(self) -> list[EngineOutput]:
         """Build, in order, the accepted jobs this step could start; a job exllamav2 will
@@ -196,14 +228,25 @@ class ExLlamaV2Engine(Engine):
         return failed
 
     def _build(self, accepted: Accepted[_Checked]) -> None:
+        from worker.engines.exllamav2_generator import enqueue_ready
+
+        checked = accepted.item
+        job = checked.job if checked.job is not None else self._new_job(checked)
+        enqueue_ready(self.generator, job)
+        self._jobs[accepted.job_id] = _Job(job, accepted.prompt_tokens)
+
+    def _new_job(self, checked: _Checked) -> Any:
+        """The job exllamav2 will run, ready to queue."""
         from exllamav2.generator import ExLlamaV2DynamicJob
 
-        request = accepted.item.request
+        from worker.engines.exllamav2_generator import ready_job
+
+        request = checked.request
         stops: list[int | str] = [*request.stop, *request.stop_token_ids]
         if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
             stops.append(self.tokenizer.eos_token_id)
         job = ExLlamaV2DynamicJob(
-            input_ids=accepted.item.input_ids,
+            input_ids=checked.input_ids,
             max_new_tokens=request.max_new_tokens,
             gen_settings=self._sampler(request),
             seed=(
@@ -215,10 +258,10 @@ class ExLlamaV2Engine(Engine):
             banned_strings=request.banned_strings or None,
             return_top_tokens=request.logprobs,
             return_probs=request.logprobs > 0,
-            identifier=accepted.job_id,
+            identifier=checked.job_id,
         )
-        self.generator.enqueue(job)
-        self._jobs[accepted.job_id] = _Job(job, accepted.prompt_tokens)
+        ready_job(self.generator, job)
+        return job
 
     def _encode(self, request: GenerationRequest) -> Any:
         if request.input_ids is not None:

@@ -124,6 +124,23 @@ def prompt_tokens(job: Any) -> int:
     return sum(len(seq.input_ids) for seq in job.sequences)
 
 
+def ready_job(generator: Any, job: Any) -> None:
+    """What exllamav2 0.3.2's enqueue() does to a job before it queues it (the prompt's page
+    hashes, the check that it fits the cache, the buffers for held-back text), done ahead of
+    its start: enqueue_ready() then only queues it. The serial number given here is a
+    placeholder; enqueue_ready() gives the real one. Raises as enqueue() would."""
+    job.prepare_for_queue(generator, generator.job_serial)
+
+
+def enqueue_ready(generator: Any, job: Any) -> None:
+    """The rest of exllamav2 0.3.2's enqueue() for a job ready_job() prepared: its serial
+    number, its place in the queue and its enqueue time."""
+    job.serial_number = generator.job_serial
+    generator.job_serial += 1
+    generator.pending_jobs.append(job)
+    job.time_enqueue = time.time()
+
+
 class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
     """ExLlamaV2DynamicGenerator whose decode step samples eligible jobs on the GPU
     (gpu_sampling), whose prefill passes run batched (prefill_batch_tokens > 0: the most
