@@ -221,7 +221,7 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
     @functools.wraps(apply)
     def traced_apply(self: Any, commands: list[Any], outputs: list[Any]) -> bool:
         # Jobs started (adds, admits), and jobs only offered: prepared, not started.
-        adds = sum(len(c.jobs) for c in commands if type(c).__name__ in ("_Add", "_Admit"))
+        adds = sum(len(c.jobs) for c in commands if type(c).__name__ == "_Admit")
         offers = sum(len(c.jobs) for c in commands if type(c).__name__ == "_Offer")
         if not adds and not offers:
             return apply(self, commands, outputs)

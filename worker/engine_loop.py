@@ -7,9 +7,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from producer.protocol import GenerationRequest, InvalidRequest
 from worker.engines.base import (
@@ -25,12 +25,9 @@ from worker.engines.base import (
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 SLOW_STEP_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    jobs: list[tuple[str, GenerationRequest]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,26 +43,20 @@ class _Offer:
 
 @dataclass(frozen=True, slots=True)
 class _Admit:
-    round: int
-    jobs: list[tuple[str, GenerationRequest | None]]
+    """Jobs to start in one pass: a request of None is the one offered in ``round``. An
+    add_many() is an admit of no round, every request given whole."""
+
+    round: int | None
+    jobs: Sequence[tuple[str, GenerationRequest | None]]
 
 
 class _Stop:
     pass
 
 
-_Command = _Add | _Offer | _Admit | _Cancel | _Stop
+_Command = _Offer | _Admit | _Cancel | _Stop
 # Commands that only bring jobs in: a step's wait for the GPU may apply them (admit_in_wait).
-_TAKE_IN = (_Add, _Offer, _Admit)
-
-
-@dataclass(frozen=True, slots=True)
-class _Offered:
-    """A job offered ahead of its start: what the engine's prepare() returned, or why the
-    job will fail if it is started."""
-
-    prepared: object
-    error: JobErrored | None = None
+_TAKE_IN = (_Offer, _Admit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +134,9 @@ class EngineLoop:
         # the wait's adds and readying end goes into the pass's outputs.
         self._deferred: list[_Command] = []
         self._outputs: list[EngineOutput] = []
-        # Jobs offered ahead of their start, by round, until the round's admit.
-        self._offered: dict[int, dict[str, _Offered]] = {}
+        # Jobs offered ahead of their start, by round, until the round's admit: what the
+        # engine's prepare() returned, or the error the job fails with if it is admitted.
+        self._offered: dict[int, dict[str, object]] = {}
 
     def start(self, report: ReportSink) -> None:
         self._report = report
@@ -155,7 +147,7 @@ class EngineLoop:
 
     def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         if jobs:
-            self._commands.put(_Add(jobs))
+            self._commands.put(_Admit(None, jobs))
 
     def offer(self, round_id: int, jobs: list[tuple[str, GenerationRequest]]) -> None:
         if jobs:
@@ -297,45 +289,43 @@ class EngineLoop:
             elif isinstance(command, _Offer):
                 offered = self._offered.setdefault(command.round, {})
                 for job_id, request in command.jobs:
-                    offered[job_id] = self._prepare(job_id, request)
-            elif isinstance(command, _Admit):
-                self._admit(command, outputs)
+                    prepare = functools.partial(self.engine.prepare, job_id, request)
+                    offered[job_id] = _intake(job_id, prepare)
             else:
-                for job_id, request in command.jobs:
-                    self._add(job_id, request, outputs)
+                self._admit(command, outputs)
         return True
-
-    def _prepare(self, job_id: str, request: GenerationRequest) -> _Offered:
-        prepared: list[object] = []
-        error = _refusal(job_id, lambda: prepared.append(self.engine.prepare(job_id, request)))
-        return _Offered(prepared[0] if prepared else None, error)
 
     def _admit(self, command: _Admit, outputs: list[EngineOutput]) -> None:
         """Start the round's named jobs in order; its other offers are dropped with it."""
-        offered = self._offered.pop(command.round, {})
+        offered = {} if command.round is None else self._offered.pop(command.round, {})
         for job_id, request in command.jobs:
-            if request is not None:
-                self._add(job_id, request, outputs)
-                continue
-            found = offered.get(job_id)
-            if found is None:  # the worker named a job it did not offer: its bug, not the job's
-                outputs.append(
-                    JobErrored(job_id, "internal_error", "the job was started without its request")
-                )
-            else:
-                admit = functools.partial(self.engine.admit, job_id, found.prepared)
-                error = found.error or _refusal(job_id, admit)
-                if error is not None:
-                    outputs.append(error)
+            error = self._start(job_id, request, offered.get(job_id))
+            if error is not None:
+                outputs.append(error)
+
+    def _start(
+        self, job_id: str, request: GenerationRequest | None, prepared: object
+    ) -> JobErrored | None:
+        """Start one job: given whole (``request``), or as offered (``prepared``: what
+        prepare() returned, its error, or None if never offered)."""
+        if request is not None:
+            started = _intake(job_id, functools.partial(self.engine.add, job_id, request))
+        elif prepared is None:  # the worker named a job it did not offer: its bug, not the job's
+            return JobErrored(job_id, "internal_error", "the job was started without its request")
+        elif isinstance(prepared, JobErrored):
+            return prepared
+        else:
+            started = _intake(job_id, functools.partial(self.engine.admit, job_id, prepared))
+        return started if isinstance(started, JobErrored) else None
 
     def _build_ahead(self) -> None:
         """While idle, with jobs offered and their start awaited: the engine may build what
         its first step will start, in the time the worker's start script takes."""
         prepared = [
-            offered.prepared
+            offered
             for by_id in self._offered.values()
             for offered in by_id.values()
-            if offered.error is None
+            if not isinstance(offered, JobErrored)
         ]
         try:
             self.engine.build_ahead(prepared)
@@ -343,11 +333,6 @@ class EngineLoop:
             raise
         except Exception:  # the jobs are built, or fail, at their step as without it
             log.exception("building offered jobs ahead failed")
-
-    def _add(self, job_id: str, request: GenerationRequest, outputs: list[EngineOutput]) -> None:
-        error = _refusal(job_id, lambda: self.engine.add(job_id, request))
-        if error is not None:
-            outputs.append(error)
 
     def _step(self, outputs: list[EngineOutput]) -> float:
         jobs = self.engine.active_jobs
@@ -370,10 +355,11 @@ class EngineLoop:
         return seconds
 
 
-def _refusal(job_id: str, call: Callable[[], object]) -> JobErrored | None:
-    """Run the engine's intake call for one job: None, or the job's error if it refused."""
+def _intake(job_id: str, call: Callable[[], _T]) -> _T | JobErrored:
+    """Run one of the engine's intake calls for a job (add, prepare, admit): what it
+    returns, or the job's error if the engine refused it."""
     try:
-        call()
+        return call()
     except InvalidRequest as exc:
         return JobErrored(job_id, "invalid_request", str(exc))
     except EngineDead:
@@ -381,7 +367,6 @@ def _refusal(job_id: str, call: Callable[[], object]) -> JobErrored | None:
     except Exception as exc:
         log.exception("engine refused job %s", job_id)
         return JobErrored(job_id, "engine_error", describe_error(exc))
-    return None
 
 
 def _no_sink(report: StepReport) -> None:

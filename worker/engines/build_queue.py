@@ -28,6 +28,12 @@ class Accepted(Generic[T]):
     item: T
 
 
+def room_for_one_more(waiting_tokens: int, budget_tokens: int) -> bool:
+    """Whether a step could start one more job, its waiting jobs holding ``waiting_tokens``
+    of prompt: while they hold no more than the admission budget (0: no budget)."""
+    return not budget_tokens or waiting_tokens <= budget_tokens
+
+
 class BuildQueue(Generic[T]):
     """Accepted jobs in arrival order, until the engine builds them."""
 
@@ -42,7 +48,7 @@ class BuildQueue(Generic[T]):
         held by the jobs already built and waiting to start: while those hold no more than
         the admission budget, one more. Budget 0: every job. Taken lazily, so a caller that
         stops early leaves the rest queued."""
-        while self._waiting and (not budget_tokens or waiting_tokens <= budget_tokens):
+        while self._waiting and room_for_one_more(waiting_tokens, budget_tokens):
             _, accepted = self._waiting.popitem(last=False)
             waiting_tokens += accepted.prompt_tokens
             yield accepted

@@ -44,13 +44,13 @@ def move_embedding_to_gpu(model: Any) -> bool:
     """Put the embedding table on the GPU of the model's first layer; False (and the table
     left in system memory) when the model's layers are not on one GPU or the GPU is full."""
     import torch
-    from exllamav2.embedding import ExLlamaV2Embedding
 
     from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
 
-    module = model.modules[0]
-    if not isinstance(module, ExLlamaV2Embedding):
-        log.info("embedding table stays where it is: the model's first module is %s", module)
+    try:
+        module = embedding_module(model)
+    except TypeError as exc:
+        log.info("embedding table stays where it is: %s", exc)
         return False
     installed = installed_exllamav2()
     if installed != PINNED_EXLLAMAV2:

@@ -36,7 +36,7 @@ from worker.engines.base import (
     TokenChunk,
     describe_error,
 )
-from worker.engines.build_queue import Accepted, BuildQueue
+from worker.engines.build_queue import Accepted, BuildQueue, room_for_one_more
 from worker.engines.chat_template import ChatFormatter
 from worker.settings import WorkerSettings
 
@@ -196,10 +196,9 @@ class ExLlamaV2Engine(Engine):
         """Build, in order, the prepared jobs that the next step would start if they were
         admitted now (the same budget test as _build_startable, the engine being idle). A
         job that fails to build is left unbuilt: its step builds it again and fails it."""
-        budget = self.admit_prompt_tokens
         waiting = 0
         for checked in prepared:
-            if budget and waiting > budget:
+            if not room_for_one_more(waiting, self.admit_prompt_tokens):
                 return
             assert isinstance(checked, _Checked)
             waiting += checked.prompt_tokens
