@@ -227,10 +227,10 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
             return apply(self, commands, outputs)
         begin = perf_counter()
         kept = apply(self, commands, outputs)
+        if offers:  # the offers taken with an admit were prepared in the same pass
+            trace.note("offer_apply", begin=begin, n=offers)
         if adds:
             trace.note("apply", begin=begin, n=adds)
-        else:
-            trace.note("offer_apply", begin=begin, n=offers)
         return kept
 
     step = Loop._step
@@ -537,18 +537,18 @@ STAGES: list[tuple[str, Callable[[Record], float]]] = [
     ("the median job's stream() yields it", lambda r: r["first_token_by_group"][0]),
     # --offer-before-start: the first piece before its admit (the hand-over above)
     ("offered: the worker sends the first part", lambda r: r["offers_sent"][0][0]),
-    ("offered: the engine has prepared the last part", lambda r: _before_admit(r)[0]),
-    ("offered: the engine has built ahead", lambda r: _before_admit(r)[1]),
+    ("offered: the engine has prepared the last part", lambda r: _before_admit(r, "offers")),
+    # none when the last part and the admit reached the engine together
+    ("offered: the engine has built ahead", lambda r: _before_admit(r, "builds")),
 ]
 
 
-def _before_admit(r: Record) -> tuple[float, float]:
-    """The end of the last offer the engine prepared, and of its last build ahead, before
-    the first piece's admit was applied."""
+def _before_admit(r: Record, what: str) -> float:
+    """The end of the engine's last offer prepared ("offers") or last build ahead ("builds")
+    before the first piece's admit was applied; ValueError if there was none."""
     admitted = r["engine_apply"][0][1]
-    prepared = max(end for _, end, _ in r["offers_applied"] if end <= admitted)
-    built = max(end for _, end in r["builds_ahead"] if end <= admitted)
-    return prepared, built
+    spans = r["offers_applied"] if what == "offers" else r["builds_ahead"]
+    return float(max(span[1] for span in spans if span[1] <= admitted))
 
 
 def stage_table(runs: list[Record]) -> str:
