@@ -3,6 +3,8 @@ docs/SECURITY.md, against a real redis-server built with TLS (tests/tls_redis.py
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -239,6 +241,23 @@ async def test_wrong_password_is_refused(
     async with AsyncProducer(tls_server.user_url(producer_user, "wrong"), queue=QUEUE) as producer:
         with pytest.raises(AuthenticationError, match="invalid username-password pair"):
             await producer.submit("x", max_new_tokens=1)
+    # redis-py drops a connection whose AUTH is refused without waiting for its TLS close,
+    # which takes a reply from Redis. The refused producer leaves no socket open once that
+    # reply is in; the test waits for it, so that its event loop does not close first.
+    async with asyncio.timeout(10):
+        while _open_sockets_to(tls_server.port):
+            await asyncio.sleep(0.01)
+
+
+def _open_sockets_to(port: int) -> list[asyncio.Transport]:
+    """This process's asyncio transports whose socket to 127.0.0.1:``port`` is open."""
+    found = []
+    for item in gc.get_objects():
+        if isinstance(item, asyncio.Transport):
+            sock, peer = item.get_extra_info("socket"), item.get_extra_info("peername")
+            if sock is not None and peer and peer[1] == port and sock.fileno() != -1:
+                found.append(item)
+    return found
 
 
 def test_default_user_is_off(tls_server: TlsRedisServer) -> None:
