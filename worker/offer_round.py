@@ -14,8 +14,12 @@ from __future__ import annotations
 from producer.protocol import GenerationRequest
 from worker.engine_loop import EngineRunner
 
-# Offered in parts of this many, so the engine starts on the first part of a 32-job piece
-# while the worker parses the next 24 (one pipe message a part).
+# The parts grow from FIRST_OFFER_PART, doubling, up to OFFER_PART jobs: the engine starts
+# on a piece's first job while the worker parses the second, and a 32-job piece still goes
+# in 7 pipe messages (1, 2, 4, 8, 8, 8 and the last 1), not 32. The engine is idle when a
+# burst comes, and its work a job (checks, build) is longer than the worker's (parse): the
+# sooner it starts, the sooner its first step.
+FIRST_OFFER_PART = 1
 OFFER_PART = 8
 
 
@@ -29,6 +33,7 @@ class OfferRound:
         self.enabled = enabled
         self.offered: dict[str, GenerationRequest] = {}
         self._part: list[tuple[str, GenerationRequest]] = []
+        self._part_size = FIRST_OFFER_PART
         self._sent = False  # the engine holds offers of this round
 
     def offer(self, request: GenerationRequest) -> None:
@@ -38,14 +43,15 @@ class OfferRound:
             return
         self.offered[request.id] = request
         self._part.append((request.id, request))
-        if len(self._part) >= OFFER_PART:
+        if len(self._part) >= self._part_size:
             self.flush()
 
     def flush(self) -> None:
-        """Send the part offered so far."""
+        """Send the part offered so far; the next part may be twice as long."""
         if self._part:
             self.engine.offer(self.round_id, self._part)
             self._part = []
+            self._part_size = min(2 * self._part_size, OFFER_PART)
             self._sent = True
 
     def admit(self, jobs: list[tuple[str, GenerationRequest]]) -> None:

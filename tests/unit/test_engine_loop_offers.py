@@ -159,33 +159,37 @@ def _requests(n: int) -> list[GenerationRequest]:
 
 def test_an_offer_round_sends_parts_as_they_fill_and_names_offered_jobs_by_id() -> None:
     runner = RecordingRunner()
-    requests = _requests(OFFER_PART + 2)
+    requests = _requests(1 + 2 + 4 + OFFER_PART + OFFER_PART + 3)
     offers = OfferRound(runner, 7)  # type: ignore[arg-type]
     for request in requests:
         offers.offer(request)
-    # A full part went at once; the rest waits for flush() (or the admit).
-    assert runner.calls == [("offer", 7, [r.id for r in requests[:OFFER_PART]])]
+    # Each part went as it filled: the first alone, then doubling up to OFFER_PART; the
+    # rest waits for flush() (or the admit).
+    sizes = [len(call[2]) for call in runner.calls]
+    assert sizes == [1, 2, 4, OFFER_PART, OFFER_PART]
+    assert [job_id for call in runner.calls for job_id in call[2]] == [
+        r.id for r in requests[: sum(sizes)]
+    ]
     offers.offer(GenerationRequest(id="j0", prompt="another request under a used id"))
     offers.flush()
-    assert runner.calls[1] == ("offer", 7, [r.id for r in requests[OFFER_PART:]])
+    assert runner.calls[5] == ("offer", 7, [r.id for r in requests[sum(sizes) :]])
     other = GenerationRequest(id="j0", prompt="another request under a used id")
     offers.admit([("j1", requests[1]), ("j0", other), ("new", _requests(1)[0])])
     # Offered: by id; the same id with another request, or never offered: whole.
-    assert runner.calls[2] == ("admit", 7, [("j1", None), ("j0", other), ("new", _requests(1)[0])])
-    assert len(runner.calls) == 3
+    assert runner.calls[6] == ("admit", 7, [("j1", None), ("j0", other), ("new", _requests(1)[0])])
+    assert len(runner.calls) == 7
 
 
 def test_a_withdrawn_round_drops_its_offers_and_a_disabled_one_hands_over_whole() -> None:
     runner = RecordingRunner()
     unsent = OfferRound(runner, 1)  # type: ignore[arg-type]
-    unsent.offer(_requests(1)[0])
     unsent.withdraw()
-    assert runner.calls == []  # its part never went: the engine has nothing to drop
+    assert runner.calls == []  # nothing went: the engine has nothing to drop
     withdrawn = OfferRound(runner, 2)  # type: ignore[arg-type]
-    withdrawn.offer(_requests(1)[0])
-    withdrawn.flush()
+    for request in _requests(2):
+        withdrawn.offer(request)  # j0 goes at once, j1 waits for a part of two
     withdrawn.withdraw()
-    assert runner.calls == [("offer", 2, ["j0"]), ("admit", 2, [])]
+    assert runner.calls == [("offer", 2, ["j0"]), ("admit", 2, [])]  # j1 never goes
 
     off = OfferRound(runner, 3, enabled=False)  # type: ignore[arg-type]
     requests = _requests(2)
