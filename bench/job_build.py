@@ -5,10 +5,7 @@ and ``_build()`` (exllamav2's job and its enqueue), per job, then a profile of t
 
 A job is built on the engine thread, before the step that starts it or inside the GPU wait
 of the step before (--admit-in-wait), so its cost bounds how fast a burst's first slice
-can start. The rounds alternate between the held-back buffers the engine runs with
-(allocated on first use, exllamav2_held_buffers.py) and exllamav2's own (allocated in
-prepare_for_queue), and print the median of each. Needs the GPU machine (the engine loads
-the model).
+can start. Needs the GPU machine (the engine loads the model).
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import cProfile
 import io
 import pstats
 import random
-import statistics
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -84,26 +80,12 @@ def main() -> None:
             attention="exlq",
         )
     )
-    from exllamav2.generator import dynamic
-    from exllamav2.util import SeqTensor
-
     rng = random.Random(0)
     vocab = engine.model.config.vocab_size
-    lazy = dynamic.SeqTensor
-    builds: dict[str, list[float]] = {"on first use": [], "exllamav2's": []}
-    for n in range(2 * args.rounds):
-        buffers = "on first use" if n % 2 == 0 else "exllamav2's"
-        dynamic.SeqTensor = lazy if buffers == "on first use" else SeqTensor
+    for n in range(args.rounds):
         requests = _requests(rng, args.jobs, args.prompt_tokens, vocab)
         add_us, build_us = _round(engine, requests, None)
-        builds[buffers].append(build_us)
-        print(
-            f"round {n}: add {add_us:.1f} µs a job, build {build_us:.1f} µs a job "
-            f"(held-back buffers {buffers})"
-        )
-    dynamic.SeqTensor = lazy
-    for buffers, runs in builds.items():
-        print(f"build, held-back buffers {buffers}: median {statistics.median(runs):.1f} µs a job")
+        print(f"round {n}: add {add_us:.1f} µs a job, build {build_us:.1f} µs a job")
     profile = cProfile.Profile()
     _round(engine, _requests(rng, args.jobs, args.prompt_tokens, vocab), profile)
     out = io.StringIO()

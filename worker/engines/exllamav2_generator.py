@@ -23,9 +23,6 @@ sends the previous step's report there, while the GPU works.
 With admit_prompt_tokens > 0 a step starts only as many waiting jobs as hold that many
 prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts every one that
 fits: a burst starts in slices, and its first jobs decode while the rest prefill.
-
-Where it makes ExlqDynamicGenerator, make_dynamic_generator also has exllamav2's jobs
-allocate their held-back buffers on first use (exllamav2_held_buffers.py).
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ from worker.engines.exllamav2_attention import (
     installed_exllamav2,
     padding_supported,
 )
-from worker.engines.exllamav2_held_buffers import install_lazy_held_buffers
 from worker.engines.exllamav2_prefill import PrefillBatcher
 from worker.engines.prefill_plan import jobs_to_start
 from worker.kernels.paged_attention import TILE_CLASS_ROWS
@@ -82,7 +78,6 @@ def make_dynamic_generator(
             PINNED_EXLLAMAV2,
         )
         return ExLlamaV2DynamicGenerator(**kwargs)
-    install_lazy_held_buffers()
     return ExlqDynamicGenerator(
         gpu_sampling=gpu_sampling,
         prefill_batch_tokens=prefill_batch_tokens,
