@@ -14,11 +14,13 @@ from __future__ import annotations
 from producer.protocol import GenerationRequest
 from worker.engine_loop import EngineRunner
 
-# The parts grow from FIRST_OFFER_PART, doubling, up to OFFER_PART jobs: the engine starts
-# on a piece's first job while the worker parses the second, and a 32-job piece still goes
-# in 7 pipe messages (1, 2, 4, 8, 8, 8 and the last 1), not 32. The engine is idle when a
-# burst comes, and its work a job (checks, build) is longer than the worker's (parse): the
-# sooner it starts, the sooner its first step.
+# A piece's first job is offered alone, the rest in parts of OFFER_PART: the engine, idle
+# when a burst comes, starts on the first job while the worker parses the next eight, and
+# a 32-job piece goes in 5 pipe messages (1, 8, 8, 8, 7). Its work a job (unpickling,
+# checks, build) is longer than the worker's (parse), so the sooner it starts, the sooner
+# its first step. Parts that doubled (1, 2, 4, 8, ...) measured slower at 32 jobs: each
+# part's arrival takes the engine process's interpreter from its builds
+# (docs/PERFORMANCE.md, "Jobs offered before their start").
 FIRST_OFFER_PART = 1
 OFFER_PART = 8
 
@@ -47,11 +49,11 @@ class OfferRound:
             self.flush()
 
     def flush(self) -> None:
-        """Send the part offered so far; the next part may be twice as long."""
+        """Send the part offered so far; the next part may hold OFFER_PART jobs."""
         if self._part:
             self.engine.offer(self.round_id, self._part)
             self._part = []
-            self._part_size = min(2 * self._part_size, OFFER_PART)
+            self._part_size = OFFER_PART
             self._sent = True
 
     def admit(self, jobs: list[tuple[str, GenerationRequest]]) -> None:

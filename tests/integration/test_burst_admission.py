@@ -158,10 +158,11 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
         )
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=30)
     assert [r.state for r in results] == ["done"] * count
-    # Parts of 1, 2, 4, then OFFER_PART: a piece of 32 in 1, 2, 4, 8, 8, 8, 1; of 5 in 1, 2, 2.
+    # The first job alone, then OFFER_PART at a time: a piece of 32 in 1, 8, 8, 8, 7; of 5
+    # in 1, 4.
     assert ACCEPT_PIECE == 32 and OFFER_PART == 8
-    offers = [("offer", n) for n in (1, 2, 4, 8, 8, 8, 1)] if offer_before_start else []
-    last_offer = [("offer", n) for n in (1, 2, 2)] if offer_before_start else []
+    offers = [("offer", n) for n in (1, 8, 8, 8, 7)] if offer_before_start else []
+    last_offer = [("offer", n) for n in (1, 4)] if offer_before_start else []
     # One read took the whole burst (it landed in one script) and accepted it in pieces.
     assert [(kind, len(ids)) for kind, ids in log] == [
         *offers,

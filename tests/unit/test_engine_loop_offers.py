@@ -159,25 +159,25 @@ def _requests(n: int) -> list[GenerationRequest]:
 
 def test_an_offer_round_sends_parts_as_they_fill_and_names_offered_jobs_by_id() -> None:
     runner = RecordingRunner()
-    requests = _requests(1 + 2 + 4 + OFFER_PART + OFFER_PART + 3)
+    requests = _requests(1 + OFFER_PART + OFFER_PART + 3)
     offers = OfferRound(runner, 7)  # type: ignore[arg-type]
     for request in requests:
         offers.offer(request)
-    # Each part went as it filled: the first alone, then doubling up to OFFER_PART; the
+    # Each part went as it filled: the first job alone, then OFFER_PART at a time; the
     # rest waits for flush() (or the admit).
     sizes = [len(call[2]) for call in runner.calls]
-    assert sizes == [1, 2, 4, OFFER_PART, OFFER_PART]
+    assert sizes == [1, OFFER_PART, OFFER_PART]
     assert [job_id for call in runner.calls for job_id in call[2]] == [
         r.id for r in requests[: sum(sizes)]
     ]
     offers.offer(GenerationRequest(id="j0", prompt="another request under a used id"))
     offers.flush()
-    assert runner.calls[5] == ("offer", 7, [r.id for r in requests[sum(sizes) :]])
+    assert runner.calls[3] == ("offer", 7, [r.id for r in requests[sum(sizes) :]])
     other = GenerationRequest(id="j0", prompt="another request under a used id")
     offers.admit([("j1", requests[1]), ("j0", other), ("new", _requests(1)[0])])
     # Offered: by id; the same id with another request, or never offered: whole.
-    assert runner.calls[6] == ("admit", 7, [("j1", None), ("j0", other), ("new", _requests(1)[0])])
-    assert len(runner.calls) == 7
+    assert runner.calls[4] == ("admit", 7, [("j1", None), ("j0", other), ("new", _requests(1)[0])])
+    assert len(runner.calls) == 5
 
 
 def test_a_withdrawn_round_drops_its_offers_and_a_disabled_one_hands_over_whole() -> None:
@@ -187,7 +187,7 @@ def test_a_withdrawn_round_drops_its_offers_and_a_disabled_one_hands_over_whole(
     assert runner.calls == []  # nothing went: the engine has nothing to drop
     withdrawn = OfferRound(runner, 2)  # type: ignore[arg-type]
     for request in _requests(2):
-        withdrawn.offer(request)  # j0 goes at once, j1 waits for a part of two
+        withdrawn.offer(request)  # j0 goes at once, j1 waits for a full part
     withdrawn.withdraw()
     assert runner.calls == [("offer", 2, ["j0"]), ("admit", 2, [])]  # j1 never goes
 
