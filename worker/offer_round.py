@@ -34,9 +34,7 @@ class OfferRound:
         self.round_id = round_id
         self.enabled = enabled
         self.offered: dict[str, GenerationRequest] = {}
-        self._part: list[tuple[str, GenerationRequest]] = []
-        self._part_size = FIRST_OFFER_PART
-        self._sent = False  # the engine holds offers of this round
+        self._part: list[tuple[str, GenerationRequest]] = []  # offered, not yet sent
 
     def offer(self, request: GenerationRequest) -> None:
         """Offer a parsed request. An id offered before in this round is not offered again:
@@ -45,16 +43,19 @@ class OfferRound:
             return
         self.offered[request.id] = request
         self._part.append((request.id, request))
-        if len(self._part) >= self._part_size:
+        if len(self._part) >= (OFFER_PART if self._sent else FIRST_OFFER_PART):
             self.flush()
 
+    @property
+    def _sent(self) -> bool:
+        """Whether a part went out: the engine then holds offers of this round."""
+        return len(self.offered) > len(self._part)
+
     def flush(self) -> None:
-        """Send the part offered so far; the next part may hold OFFER_PART jobs."""
+        """Send the part offered so far."""
         if self._part:
             self.engine.offer(self.round_id, self._part)
             self._part = []
-            self._part_size = OFFER_PART
-            self._sent = True
 
     def admit(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         """Start these jobs, in order; a job offered in this round goes by id alone."""
@@ -71,6 +72,6 @@ class OfferRound:
 
     def withdraw(self) -> None:
         """Start none of them (the start script failed: the entries stay pending in Redis)."""
-        self._part = []
         if self._sent:
             self.engine.admit(self.round_id, [])
+        self._part = []  # never sent

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 
 from producer.protocol import GenerationRequest, InvalidRequest
+from tests.engine_reports import collect_ends
 from worker.engine_loop import EngineLoop, StepReport
 from worker.engines.base import (
     CacheUsage,
@@ -38,31 +39,20 @@ class FlakyEngine(EchoEngine):
         return super().step()
 
 
-def _collect(
-    loop: EngineLoop, reports: queue.SimpleQueue[StepReport], want: int
-) -> list[EngineOutput]:
-    ended: list[EngineOutput] = []
-    while len(ended) < want:
-        report = reports.get(timeout=5)
-        assert report.fatal is None
-        ended += [o for o in report.outputs if not hasattr(o, "text")]
-    return ended
-
-
 def test_refused_and_failed_jobs_error_while_others_finish() -> None:
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
     loop = EngineLoop(FlakyEngine())
     loop.start(reports.put)
     loop.add_many([("a", GenerationRequest(prompt="refuse", max_new_tokens=3))])
-    ended = _collect(loop, reports, 1)
+    ended = collect_ends(reports, 1)
     assert ended == [JobErrored("a", "invalid_request", "prompt too long for this model")]
 
     loop.add_many([("b", GenerationRequest(prompt="explode", max_new_tokens=3))])
-    ended = _collect(loop, reports, 1)
+    ended = collect_ends(reports, 1)
     assert ended == [JobErrored("b", "engine_error", "RuntimeError: kernel fault")]
 
     loop.add_many([("c", GenerationRequest(prompt="fine", max_new_tokens=3))])
-    ended = _collect(loop, reports, 1)
+    ended = collect_ends(reports, 1)
     assert ended == [JobEnded("c", "length", 1, 3)]
     loop.stop(5)
 
@@ -74,7 +64,7 @@ def test_cancel_ends_a_job_at_once() -> None:
     loop.add_many([("long", GenerationRequest(prompt="x", max_new_tokens=10_000))])
     reports.get(timeout=5)
     loop.cancel("long")
-    ended = _collect(loop, reports, 1)
+    ended = collect_ends(reports, 1)
     assert isinstance(ended[0], JobEnded) and ended[0].finish_reason == "cancelled"
     loop.stop(5)
     assert loop.engine.active_jobs == 0
@@ -120,7 +110,7 @@ def test_jobs_handed_over_together_start_in_the_same_step() -> None:
         [(f"j{i}", GenerationRequest(prompt="a b", max_new_tokens=2)) for i in range(12)]
         + [("bad", GenerationRequest(prompt="refuse", max_new_tokens=2))]
     )
-    ended = _collect(loop, reports, 13)
+    ended = collect_ends(reports, 13)
     loop.stop(5)
     # The whole hand-over was admitted before the first step; the refused job errored alone.
     assert engine.jobs_per_step[0] == 12

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from producer.protocol import GenerationRequest, InvalidRequest
+from tests.engine_reports import collect_ends
 from worker.engine_loop import EngineLoop, StepReport
 from worker.engines.base import EngineOutput, JobEnded, JobErrored
 from worker.engines.echo import EchoEngine
@@ -53,13 +54,6 @@ def _wait_for(condition: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
-def _ends(reports: queue.SimpleQueue[StepReport], want: int) -> list[EngineOutput]:
-    ended: list[EngineOutput] = []
-    while len(ended) < want:
-        ended += [o for o in reports.get(timeout=5).outputs if not hasattr(o, "text")]
-    return ended
-
-
 def _started(engine: OfferEngine) -> tuple[OfferEngine, EngineLoop, queue.SimpleQueue[StepReport]]:
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
     loop = EngineLoop(engine)
@@ -78,7 +72,7 @@ def test_offered_jobs_wait_for_the_admit_which_starts_the_named_ones_together() 
 
     # The start script refused b: the admit names a and c, by id alone.
     loop.admit(1, [("a", None), ("c", None)])
-    ended = _ends(reports, 2)
+    ended = collect_ends(reports, 2)
     loop.stop(5)
     assert sorted(e.job_id for e in ended) == ["a", "c"]
     assert all(isinstance(e, JobEnded) and e.finish_reason == "length" for e in ended)
@@ -99,7 +93,7 @@ def test_a_refused_offer_fails_only_if_the_job_is_admitted() -> None:
     ended = [o for o in first.outputs if not hasattr(o, "text")]
     # The admitted job that failed its check fails in the admit's pass, as an add would.
     assert ended[0] == JobErrored("bad", "invalid_request", "prompt too long for this model")
-    ended += _ends(reports, 2 - len(ended))
+    ended += collect_ends(reports, 2 - len(ended))
     loop.stop(5)
     assert [e.job_id for e in ended] == ["bad", "ok"]
     assert ("admit", "bad") not in engine.log
@@ -113,7 +107,7 @@ def test_rounds_stay_apart_and_an_admit_may_bring_jobs_whole() -> None:
     loop.admit(2, [("second", None), ("whole", _request("three"))])
     loop.admit(1, [])  # round 1's start script failed: its offer is dropped
     loop.admit(3, [("ghost", None)])  # named, never offered: the worker's bug
-    ended = _ends(reports, 3)
+    ended = collect_ends(reports, 3)
     loop.stop(5)
     assert sorted(e.job_id for e in ended) == ["ghost", "second", "whole"]
     ghost = next(e for e in ended if e.job_id == "ghost")
@@ -132,7 +126,7 @@ def test_offers_made_while_jobs_run_are_readied_but_not_built_ahead() -> None:
     time.sleep(0.02)  # a few more steps
     assert not any(e[0] == "build_ahead" and "late" in e[1] for e in engine.log)
     loop.admit(2, [("late", None)])
-    ended = _ends(reports, 2)
+    ended = collect_ends(reports, 2)
     loop.stop(5)
     assert sorted(e.job_id for e in ended) == ["late", "long"]
 

@@ -315,7 +315,7 @@ class ExLlamaV2Engine(Engine):
     def set_wait_work(self, work: Callable[[], None] | None) -> None:
         """exlq's generator runs it in the decode step, once the GPU has the forward pass
         and the sampling queued, before it waits for the sampled tokens."""
-        self.wait_work = work
+        super().set_wait_work(work)
         if hasattr(self.generator, "wait_work"):
             self.generator.wait_work = work
 
