@@ -131,9 +131,9 @@ def _wrap_worker(trace: TraceFile) -> None:
     accept_piece = Worker._accept_piece
 
     @functools.wraps(accept_piece)
-    async def traced_accept_piece(self: Any, entries: list[Any]) -> None:
+    async def traced_accept_piece(self: Any, entries: list[Any], gather: bool = False) -> None:
         trace.note("piece_begin", n=len(entries))
-        await accept_piece(self, entries)
+        await accept_piece(self, entries, gather)
         trace.note("piece_end")
 
     commit = Worker.commit
@@ -334,9 +334,9 @@ class BenchTrace:
                 self.sdk_first[message[1]] = perf_counter()  # a job's first event
             push(router, message)
 
-        async def traced_send(batcher: Any, batch: list[Any]) -> None:
+        async def traced_send(batcher: Any, batch: list[Any], more: bool = False) -> None:
             begin = perf_counter()
-            await send(batcher, batch)
+            await send(batcher, batch, more)
             self.sdk_sends.append((begin, perf_counter(), len(batch)))
 
         self._wrapped: list[tuple[Any, str, Any, Any]] = [

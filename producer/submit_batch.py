@@ -12,10 +12,18 @@ script (say a key of the wrong type at its id) fails alone. A lone submit goes o
 next pass of the loop, as it did before: nothing waits for a batch to fill. A Redis that
 lost the script (a restart, SCRIPT FLUSH) gets it again.
 
-A large burst goes out in pieces of PIECE_JOBS. On Python >= 3.12 a piece is written the
-moment it fills (an eagerly started task), while the loop pass goes on validating the rest
-of the burst: a worker starts on the first piece while the others are still being built
-here. Earlier Pythons send the pieces at the end of the pass, in order.
+A large burst goes out in pieces of PIECE_JOBS. On Python >= 3.12 a piece is written as
+soon as it is full and one more submit of the pass waits behind it (an eagerly started
+task), while the loop pass goes on validating the rest of the burst: a worker starts on the
+first piece while the others are still being built here. The first piece of a pass holds
+FIRST_PIECE_JOBS, so a worker hears of a burst after a few jobs are validated, not 32.
+Earlier Pythons send the pieces at the end of the pass, in order.
+
+Every entry of a piece that has another piece of the same pass behind it carries the field
+``more`` (``1``): a worker that reads it waits a moment for the rest of the burst
+(``burst_wait_ms``) and starts it in one engine pass, as one piece written at once would
+be. A piece is sent early only while a submit waits behind it, so the piece that ends a
+pass is always written, and it carries no mark.
 """
 
 from __future__ import annotations
@@ -37,15 +45,20 @@ from producer.subscriber import EventRouter
 # slice. Redis runs nothing else while a script runs: 256 jobs of 256-token prompts took
 # 3.5 ms of it (INFO commandstats, development machine), 64 jobs 0.8 ms.
 PIECE_JOBS = 32
+# The first piece of a loop pass: a worker offers these jobs to its engine while the SDK
+# validates the rest of the burst (docs/PERFORMANCE.md, "A burst's first piece").
+FIRST_PIECE_JOBS = 8
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
 # state. KEYS[1] is the stream, KEYS[1 + i] job i's state hash; ARGV[1] the state TTL,
-# ARGV[2] the backlog limit (0: none), ARGV[2 + i] job i's request JSON.
+# ARGV[2] the backlog limit (0: none), ARGV[3] '1' when more of the burst follows this
+# piece (each entry then carries more=1), else '', ARGV[3 + i] job i's request JSON.
 SUBMIT_MANY_LUA = per_job_script(
     """
 local stream = KEYS[1]
 local ttl = ARGV[1]
 local max_backlog = tonumber(ARGV[2])
+local more = ARGV[3] == '1'
 local function submit(job, request)
   if redis.call('EXISTS', job) == 1 then
     return {'duplicate', redis.call('HGET', job, 'state') or ''}
@@ -54,14 +67,19 @@ local function submit(job, request)
     local backlog = redis.call('XLEN', stream)
     if backlog >= max_backlog then return {'full', tostring(backlog)} end
   end
-  local entry = redis.call('XADD', stream, '*', 'job', request)
+  local entry
+  if more then
+    entry = redis.call('XADD', stream, '*', 'job', request, 'more', '1')
+  else
+    entry = redis.call('XADD', stream, '*', 'job', request)
+  end
   redis.call('HSET', job, 'state', 'queued', 'entry', entry, 'attempts', 0)
   redis.call('EXPIRE', job, ttl)
   return {'queued', entry}
 end""",
     "submit",
     first_key=2,
-    arg_offset=1,
+    arg_offset=2,
 )
 
 
@@ -106,6 +124,7 @@ class SubmitBatcher:
         self._script = client.register_script(SUBMIT_MANY_LUA)
         self._waiting: list[_Pending] = []
         self._flush_due = False
+        self._sent_this_pass = False  # a piece of this loop pass went out early
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def submit(self, job_id: str, request_json: str) -> Submitted:
@@ -115,10 +134,13 @@ class SubmitBatcher:
         (as with any command already sent); its channel is then unsubscribed."""
         pending = _Pending(job_id, request_json)
         self._waiting.append(pending)
-        if EAGER_SEND and len(self._waiting) >= PIECE_JOBS:
-            batch, self._waiting = self._waiting, []
-            self._spawn(self._send(batch), eager=True)
-        elif not self._flush_due:
+        piece = PIECE_JOBS if self._sent_this_pass else FIRST_PIECE_JOBS
+        if EAGER_SEND and len(self._waiting) > piece:
+            # A full piece, and a submit behind it: the piece goes now, marked as followed.
+            batch, self._waiting = self._waiting[:piece], self._waiting[piece:]
+            self._sent_this_pass = True
+            self._spawn(self._send(batch, more=True), eager=True)
+        if not self._flush_due:
             # Runs after every task that is ready now has run up to its own await.
             self._flush_due = True
             self._spawn(self._flush(), eager=False)
@@ -142,18 +164,25 @@ class SubmitBatcher:
 
     async def _flush(self) -> None:
         self._flush_due = False
+        self._sent_this_pass = False
         batch, self._waiting = self._waiting, []
         # Written in order (the event connection's write lock is first come, first served),
-        # each piece's reply awaited on its own.
+        # each piece's reply awaited on its own; every piece but the last is followed.
+        starts = range(0, len(batch), PIECE_JOBS)
         await asyncio.gather(
-            *(self._send(batch[i : i + PIECE_JOBS]) for i in range(0, len(batch), PIECE_JOBS))
+            *(
+                self._send(batch[i : i + PIECE_JOBS], more=i + PIECE_JOBS < len(batch))
+                for i in starts
+            )
         )
 
-    async def _send(self, batch: list[_Pending]) -> None:
+    async def _send(self, batch: list[_Pending], more: bool = False) -> None:
+        if not batch:
+            return
         try:
             channels = [self._keys.events(p.job_id) for p in batch]
             keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]
-            args: list[str | int] = [self._state_ttl_s, self._max_backlog]
+            args: list[str | int] = [self._state_ttl_s, self._max_backlog, "1" if more else ""]
             args += [p.request_json for p in batch]
             script = ("EVALSHA", self._script.sha, len(keys), *keys, *args)
             try:

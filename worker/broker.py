@@ -97,6 +97,9 @@ end""",
 class StreamEntry:
     entry_id: str
     payload: bytes | None  # the ``job`` field; None when the entry has none
+    # The ``more`` field is 1: its producer is writing more of the same burst right behind
+    # it (producer.submit_batch); a hint to wait for them, never needed to run the job.
+    more: bool = False
 
     @property
     def enqueued_at_server(self) -> float:
@@ -239,7 +242,9 @@ class Broker:
         entries: list[StreamEntry] = []
         for _stream, messages in reply or []:
             for entry_id, fields in messages:
-                entries.append(StreamEntry(entry_id.decode(), fields.get(b"job")))
+                entries.append(
+                    StreamEntry(entry_id.decode(), fields.get(b"job"), fields.get(b"more") == b"1")
+                )
         return entries
 
     async def start_jobs(self, starts: list[tuple[str, str]]) -> list[StartDecision]:

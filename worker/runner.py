@@ -159,13 +159,14 @@ class Worker:
             try:
                 entries = await self.broker.read(self.free_slots, self.settings.read_block_ms)
                 room = self.free_slots - len(entries)
-                if entries and room > 0 and len(entries) < ACCEPT_PIECE:
+                if entries and room > 0 and len(entries) < ACCEPT_PIECE and not entries[-1].more:
                     # A blocked read returns on the first entry of a burst, and slots may
                     # have been freed while it waited: take the rest that has landed
                     # since, so the engine starts the burst in one pass. A full piece
                     # goes to the engine first (the next read takes what is behind it).
                     # If that fails, the entries already read still run; the next read
-                    # meets the error.
+                    # meets the error. A burst that says more follows is gathered while its
+                    # first jobs are offered (_gather_burst).
                     with contextlib.suppress(RedisError):
                         entries += await self.broker.read(room, None)
                 if entries:
@@ -183,25 +184,19 @@ class Worker:
         """Entries this worker now owns (read or reclaimed): reject, skip, end or run each,
         in pieces of ACCEPT_PIECE, in order."""
         for start in range(0, len(entries), ACCEPT_PIECE):
-            await self._accept_piece(entries[start : start + ACCEPT_PIECE])
+            last = start + ACCEPT_PIECE >= len(entries)
+            await self._accept_piece(entries[start : start + ACCEPT_PIECE], gather=last)
 
-    async def _accept_piece(self, entries: list[StreamEntry]) -> None:
+    async def _accept_piece(self, entries: list[StreamEntry], gather: bool = False) -> None:
         batch = Batch()
         decoded: list[tuple[StreamEntry, GenerationRequest]] = []
         # With --offer-before-start the engine readies the piece's jobs while the worker
         # parses the rest and runs the start script (offer_round.py). A job this worker
         # holds is not offered: the engine runs it under that id already.
         offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
-        for entry in entries:
-            self.metrics.job_received()
-            try:
-                request = self._decode(entry)
-            except InvalidRequest as exc:
-                self._reject(batch, entry, str(exc))
-                continue
-            decoded.append((entry, request))
-            if request.id not in self.held:
-                offers.offer(request)
+        self._take_in(entries, batch, decoded, offers)
+        if gather and entries[-1].more:
+            await self._gather_burst(list(entries), batch, decoded, offers)
         offers.flush()
         try:
             admitted = await self._start_piece(batch, decoded)
@@ -213,6 +208,54 @@ class Worker:
         self._note_held()
         if batch:
             await self.commit(batch)
+
+    def _take_in(
+        self,
+        entries: list[StreamEntry],
+        batch: Batch,
+        decoded: list[tuple[StreamEntry, GenerationRequest]],
+        offers: OfferRound,
+    ) -> None:
+        """Parse each entry: a bad one is settled into ``batch``, a good one joins
+        ``decoded`` and is offered to the engine."""
+        for entry in entries:
+            self.metrics.job_received()
+            try:
+                request = self._decode(entry)
+            except InvalidRequest as exc:
+                self._reject(batch, entry, str(exc))
+                continue
+            decoded.append((entry, request))
+            if request.id not in self.held:
+                offers.offer(request)
+
+    async def _gather_burst(
+        self,
+        taken: list[StreamEntry],
+        batch: Batch,
+        decoded: list[tuple[StreamEntry, GenerationRequest]],
+        offers: OfferRound,
+    ) -> None:
+        """The last entry taken says more of its burst follows: read the rest into this
+        piece, up to the piece's size and the free slots, for at most burst_wait_ms. The
+        engine readies the jobs offered so far meanwhile. A read that fails ends the wait:
+        the jobs taken still run, and the next read meets the error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.burst_wait_ms / 1000
+        while taken[-1].more:
+            room = min(ACCEPT_PIECE, self.free_slots) - len(taken)
+            wait_ms = int((deadline - loop.time()) * 1000)
+            if room <= 0 or wait_ms < 1:  # BLOCK 0 would wait for ever
+                return
+            offers.flush()
+            try:
+                more = await self.broker.read(room, wait_ms)
+            except RedisError:
+                return
+            if not more:
+                return
+            taken += more
+            self._take_in(more, batch, decoded, offers)
 
     async def _start_piece(
         self, batch: Batch, decoded: list[tuple[StreamEntry, GenerationRequest]]

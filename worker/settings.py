@@ -99,6 +99,14 @@ class WorkerSettings(BaseSettings):
     result_ttl_seconds: int = Field(24 * 3600, ge=1)
     dead_stream_max_len: int = Field(10_000, ge=1)
     read_block_ms: int = Field(1000, ge=10)
+    burst_wait_ms: int = Field(
+        20,
+        ge=0,
+        le=10_000,
+        description="the longest a worker waits for the rest of a burst when the last entry "
+        "it read says more follows (the SDK's field more=1), so that the burst starts in one "
+        "engine pass; the rest normally lands within 1-2 ms; 0: never waits",
+    )
     heartbeat_seconds: float = Field(5.0, gt=0)
     claim_idle_ms: int = Field(
         30_000, ge=100, description="an entry this long without its owner's renewal is rerun"

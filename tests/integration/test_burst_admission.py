@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer import AsyncProducer
+from producer.keys import QueueKeys
+from producer.protocol import GenerationRequest, JobResult
+from producer.submit_batch import EAGER_SEND
 from worker.broker import Broker, StreamEntry
 from worker.engines.base import EngineOutput
 from worker.engines.echo import EchoEngine
@@ -158,23 +164,32 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
         )
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=30)
     assert [r.state for r in results] == ["done"] * count
-    # The first job alone, then OFFER_PART at a time: a piece of 32 in 1, 8, 8, 8, 7; of 5
-    # in 1, 4.
+    # Accepted in pieces: each piece's offers, its start script, its hand-over.
     assert ACCEPT_PIECE == 32 and OFFER_PART == 8
-    offers = [("offer", n) for n in (1, 8, 8, 8, 7)] if offer_before_start else []
-    last_offer = [("offer", n) for n in (1, 4)] if offer_before_start else []
-    # One read took the whole burst (it landed in one script) and accepted it in pieces.
-    assert [(kind, len(ids)) for kind, ids in log] == [
-        *offers,
-        ("start", ACCEPT_PIECE),
-        ("add", ACCEPT_PIECE),
-        *offers,
-        ("start", ACCEPT_PIECE),
-        ("add", ACCEPT_PIECE),
-        *last_offer,
-        ("start", 5),
-        ("add", 5),
+    rounds: list[list[tuple[str, int]]] = [[]]
+    for kind, ids in log:
+        rounds[-1].append((kind, len(ids)))
+        if kind == "add":
+            rounds.append([])
+    assert rounds.pop() == []
+    assert [r[-2:] for r in rounds] == [
+        [("start", n), ("add", n)] for n in (ACCEPT_PIECE, ACCEPT_PIECE, 5)
     ]
+    for piece in rounds:
+        offered = [n for kind, n in piece[:-2]]
+        assert all(kind == "offer" for kind, _ in piece[:-2])
+        if offer_before_start:
+            # The first job alone, then up to OFFER_PART at a time.
+            assert offered[0] == 1 and max(offered) <= OFFER_PART
+            assert sum(offered) == piece[-1][1]
+        else:
+            assert offered == []
+    if offer_before_start and not EAGER_SEND:
+        # The burst landed in one write: one read took it whole, and a piece of 32 went
+        # in 1, 8, 8, 8, 7, one of 5 in 1, 4. (With the SDK's first piece of 8 written
+        # first, the read may bring those 8 alone, and the worker offers them before it
+        # reads the rest: 1, 7, 8, ...)
+        assert [[n for _, n in r[:-2]] for r in rounds] == [[1, 8, 8, 8, 7]] * 2 + [[1, 4]]
     handed = [job_id for kind, ids in log if kind == "add" for job_id in ids]
     assert handed == [h.id for h in burst]
     offered = [job_id for kind, ids in log if kind == "offer" for job_id in ids]
@@ -213,3 +228,84 @@ async def test_a_full_piece_goes_to_the_engine_before_the_worker_reads_again(
     assert [r.state for r in results] == ["done"] * count
     first_read = log.index(("read", count))
     assert log[first_read + 1 : first_read + 3] == [("start", ACCEPT_PIECE)] * 2
+
+
+async def _results(client: aioredis.Redis, keys: QueueKeys, job_ids: list[str]) -> list[JobResult]:
+    """The stored results of these jobs, once all are written."""
+    async with asyncio.timeout(20):
+        while True:
+            raw = [await client.get(keys.result(job_id)) for job_id in job_ids]
+            if all(raw):
+                return [JobResult.model_validate_json(r) for r in raw if r]
+            await asyncio.sleep(0.01)
+
+
+async def _xadd(client: aioredis.Redis, keys: QueueKeys, job_id: str, more: bool) -> None:
+    """An entry as a producer without the SDK writes it; ``more`` as the SDK marks one that
+    more of its burst follows."""
+    request = GenerationRequest(id=job_id, prompt=f"words of {job_id}", max_new_tokens=2)
+    fields = {"job": request.model_dump_json(), **({"more": "1"} if more else {})}
+    await client.xadd(keys.jobs, fields)  # type: ignore[arg-type]
+
+
+async def test_a_burst_that_says_more_follows_starts_in_one_engine_step(
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first entries of a burst say more follows (more=1). The worker offers them to the
+    engine, then waits for the rest, which lands 50 ms later, and starts all five in one
+    engine step."""
+    from worker.engine_loop import EngineLoop
+
+    keys = QueueKeys(queue_name)
+    log: list[str] = []
+    real_read, real_offer = Broker.read, EngineLoop.offer
+
+    async def write_rest() -> None:
+        await asyncio.sleep(0.05)
+        log.append("rest written")
+        await _xadd(redis_client, keys, "b-3", more=True)
+        await _xadd(redis_client, keys, "b-4", more=False)
+
+    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+        if "read b-2" in log and "rest written" not in log and not writer:
+            writer.append(asyncio.create_task(write_rest()))
+        entries = await real_read(self, count, block_ms)
+        log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in entries)
+        return entries
+
+    def offer(self: EngineLoop, round_id: int, jobs: list[tuple[str, Any]]) -> None:
+        log.extend(f"offer {job_id}" for job_id, _ in jobs)
+        real_offer(self, round_id, jobs)
+
+    writer: list[asyncio.Task[None]] = []
+    monkeypatch.setattr(Broker, "read", read)
+    monkeypatch.setattr(EngineLoop, "offer", offer)
+    engine = CountingEngine(capacity=16)
+    await start_worker(engine=engine, max_batch_size=16, burst_wait_ms=5000)
+    for i in range(3):
+        await _xadd(redis_client, keys, f"b-{i}", more=True)
+    results = await _results(redis_client, keys, [f"b-{i}" for i in range(5)])
+    assert [r.state for r in results] == ["done"] * 5
+    assert next(n for n in engine.jobs_per_step if n) == 5
+    # The first three were offered while the worker waited for the rest.
+    assert log.index("offer b-2") < log.index("rest written") < log.index("read b-4")
+
+
+async def test_a_burst_whose_rest_never_comes_runs_after_the_burst_wait(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
+) -> None:
+    """An entry says more follows, and nothing does (its producer died mid-burst): the job
+    waits burst_wait_ms at most, then runs."""
+    keys = QueueKeys(queue_name)
+    engine = CountingEngine()
+    await start_worker(engine=engine, burst_wait_ms=300)
+    began = time.monotonic()
+    await _xadd(redis_client, keys, "orphan", more=True)
+    [result] = await _results(redis_client, keys, ["orphan"])
+    assert result.state == "done"
+    assert time.monotonic() - began >= 0.3
+    assert next(n for n in engine.jobs_per_step if n) == 1

@@ -12,7 +12,7 @@ from redis.exceptions import ResponseError
 
 from producer import AsyncProducer, JobHandle, QueueFull
 from producer.keys import QueueKeys
-from producer.submit_batch import EAGER_SEND, PIECE_JOBS, SubmitBatcher
+from producer.submit_batch import EAGER_SEND, FIRST_PIECE_JOBS, PIECE_JOBS, SubmitBatcher
 from producer.subscriber import EventRouter
 
 pytestmark = pytest.mark.integration
@@ -29,17 +29,20 @@ async def test_a_burst_of_submits_is_one_subscribe_and_one_script_and_every_job_
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         await producer.submit("warm up", max_new_tokens=1)  # the script is loaded
         await redis_client.config_resetstat()
-        prompts = [f"job {i} of the burst" for i in range(PIECE_JOBS)]
+        count = FIRST_PIECE_JOBS  # a burst that fits the first piece
+        prompts = [f"job {i} of the burst" for i in range(count)]
         handles = await asyncio.gather(
             *(producer.submit(p, max_new_tokens=4, id=f"burst-{i}") for i, p in enumerate(prompts))
         )
         assert await _calls(redis_client, "subscribe") == 1
         assert await _calls(redis_client, "evalsha") == 1
-        assert [h.id for h in handles] == [f"burst-{i}" for i in range(PIECE_JOBS)]
-        # One script enqueued them: the stream holds them in submit order, together.
+        assert [h.id for h in handles] == [f"burst-{i}" for i in range(count)]
+        # One script enqueued them: the stream holds them in submit order, together, and
+        # none says more follows.
         entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
         ids = [json.loads(fields[b"job"])["id"] for _, fields in entries]
-        assert ids[-PIECE_JOBS:] == [f"burst-{i}" for i in range(PIECE_JOBS)]
+        assert ids[-count:] == [f"burst-{i}" for i in range(count)]
+        assert not any(b"more" in fields for _, fields in entries)
         await start_worker(max_batch_size=64)  # only now: its own scripts are EVALSHA too
         results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
     for prompt, result in zip(prompts, results, strict=True):
@@ -144,8 +147,15 @@ async def test_a_burst_larger_than_a_piece_goes_out_in_pieces_in_order(
         handles = await asyncio.gather(
             *(producer.submit(f"job {i}", max_new_tokens=1, id=f"p-{i}") for i in range(count))
         )
-        assert await _calls(redis_client, "subscribe") == 4
-        assert await _calls(redis_client, "evalsha") == 4
+        if EAGER_SEND:
+            # Python >= 3.12: a piece is written once it is full and a submit waits behind
+            # it, while the rest of the burst is submitted; the first holds FIRST_PIECE_JOBS.
+            pieces = [FIRST_PIECE_JOBS, PIECE_JOBS, PIECE_JOBS, PIECE_JOBS]
+            pieces.append(count - sum(pieces))
+        else:
+            pieces = [PIECE_JOBS, PIECE_JOBS, PIECE_JOBS, count - 3 * PIECE_JOBS]
+        assert await _calls(redis_client, "subscribe") == len(pieces)
+        assert await _calls(redis_client, "evalsha") == len(pieces)
         assert producer._router.channel_count == count + 1
     entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
     assert (
@@ -154,10 +164,11 @@ async def test_a_burst_larger_than_a_piece_goes_out_in_pieces_in_order(
         == [f"p-{i}" for i in range(count)]
     )
     sends = [n for kind, n in log if kind == "send"]
-    assert sends == [PIECE_JOBS, PIECE_JOBS, PIECE_JOBS, 44 - PIECE_JOBS]
-    first_send = log.index(("send", PIECE_JOBS))
-    if EAGER_SEND:
-        # Python >= 3.12: a full piece is written while the rest of the burst is submitted.
-        assert first_send == PIECE_JOBS
-    else:
-        assert first_send == count
+    assert sends == pieces
+    first_send = log.index(("send", pieces[0]))
+    assert first_send == (FIRST_PIECE_JOBS + 1 if EAGER_SEND else count)
+    # Every entry but those of the last piece says more of its burst follows; the lone
+    # submit before the burst does not.
+    marks = [fields.get(b"more") for _, fields in entries]
+    last = pieces[-1]
+    assert marks == [None] + [b"1"] * (count - last) + [None] * last
