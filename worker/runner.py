@@ -195,10 +195,10 @@ class Worker:
         # holds is not offered: the engine runs it under that id already.
         offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
         self._take_in(entries, batch, decoded, offers)
-        if gather and entries[-1].more:
-            await self._gather_burst(list(entries), batch, decoded, offers)
-        offers.flush()
         try:
+            if gather and entries[-1].more:
+                await self._gather_burst(list(entries), batch, decoded, offers)
+            offers.flush()
             admitted = await self._start_piece(batch, decoded)
         except BaseException:
             offers.withdraw()  # the entries stay pending in Redis
@@ -238,11 +238,11 @@ class Worker:
     ) -> None:
         """The last entry taken says more of its burst follows: read the rest into this
         piece, up to the piece's size and the free slots, for at most burst_wait_ms. The
-        engine readies the jobs offered so far meanwhile. A read that fails ends the wait:
-        the jobs taken still run, and the next read meets the error."""
+        engine readies the jobs offered so far meanwhile. A read that fails, or a stop, ends
+        the wait: the jobs taken still run, and the next read meets the error."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.burst_wait_ms / 1000
-        while taken[-1].more:
+        while taken[-1].more and not self.stop_reading.is_set():
             room = min(ACCEPT_PIECE, self.free_slots) - len(taken)
             wait_ms = int((deadline - loop.time()) * 1000)
             if room <= 0 or wait_ms < 1:  # BLOCK 0 would wait for ever
