@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from typing import Any
@@ -311,46 +310,3 @@ async def test_a_burst_whose_rest_never_comes_runs_after_the_burst_wait(
     assert time.monotonic() - began >= 0.3
     assert next(n for n in engine.jobs_per_step if n) == 1
 
-
-async def test_a_worker_cancelled_while_it_gathers_a_burst_withdraws_its_offers(
-    redis_url: str,
-    queue_name: str,
-    start_worker: Any,
-    redis_client: aioredis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The engine holds a gathering burst's offers until the admit; a worker cancelled
-    meanwhile withdraws them (an empty admit), so the engine keeps no jobs built for
-    nothing, and the entry stays pending in Redis for a reclaim."""
-    from worker.engine_loop import EngineLoop
-
-    keys = QueueKeys(queue_name)
-    log: list[tuple[str, list[str]]] = []
-    real_offer, real_admit = EngineLoop.offer, EngineLoop.admit
-
-    def offer(self: EngineLoop, round_id: int, jobs: list[tuple[str, Any]]) -> None:
-        log.append(("offer", [job_id for job_id, _ in jobs]))
-        real_offer(self, round_id, jobs)
-
-    def admit(self: EngineLoop, round_id: int, jobs: list[tuple[str, Any]]) -> None:
-        log.append(("admit", [job_id for job_id, _ in jobs]))
-        real_admit(self, round_id, jobs)
-
-    monkeypatch.setattr(EngineLoop, "offer", offer)
-    monkeypatch.setattr(EngineLoop, "admit", admit)
-    running = await start_worker(burst_wait_ms=10_000)
-    await _xadd(redis_client, keys, "waits", more=True)
-    async with asyncio.timeout(10):
-        while ("offer", ["waits"]) not in log:
-            await asyncio.sleep(0.01)
-    [reader] = [t for t in asyncio.all_tasks() if t.get_name() == "exlq-reader"]
-    reader.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await reader
-    assert log == [("offer", ["waits"]), ("admit", [])]
-    pending = await redis_client.xpending(keys.jobs, "workers")
-    assert pending["pending"] == 1
-    # The worker cannot stop gracefully without its reader: end it here.
-    running.task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await running.task
