@@ -309,4 +309,3 @@ async def test_a_burst_whose_rest_never_comes_runs_after_the_burst_wait(
     assert result.state == "done"
     assert time.monotonic() - began >= 0.3
     assert next(n for n in engine.jobs_per_step if n) == 1
-
