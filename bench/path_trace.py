@@ -131,9 +131,9 @@ def _wrap_worker(trace: TraceFile) -> None:
     accept_piece = Worker._accept_piece
 
     @functools.wraps(accept_piece)
-    async def traced_accept_piece(self: Any, entries: list[Any], gather: bool = False) -> None:
+    async def traced_accept_piece(self: Any, entries: list[Any]) -> None:
         trace.note("piece_begin", n=len(entries))
-        await accept_piece(self, entries, gather)
+        await accept_piece(self, entries)
         trace.note("piece_end")
 
     commit = Worker.commit

@@ -177,8 +177,6 @@ class SubmitBatcher:
         )
 
     async def _send(self, batch: list[_Pending], more: bool = False) -> None:
-        if not batch:
-            return
         try:
             channels = [self._keys.events(p.job_id) for p in batch]
             keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]

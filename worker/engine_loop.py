@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from producer.protocol import GenerationRequest, InvalidRequest
 from worker.engines.base import (
@@ -22,6 +22,9 @@ from worker.engines.base import (
     TokenChunk,
     describe_error,
 )
+
+if TYPE_CHECKING:
+    from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,11 @@ class EngineLoop:
         # Jobs offered ahead of their start, by round, until the round's admit: what the
         # engine's prepare() returned, or the error the job fails with if it is admitted.
         self._offered: dict[int, dict[str, object]] = {}
+
+    @classmethod
+    def for_settings(cls, engine: Engine, settings: WorkerSettings) -> EngineLoop:
+        """The loop as the worker's settings ask for it (in the worker or the engine process)."""
+        return cls(engine, settings.overlap_reports, settings.admit_in_wait)
 
     def start(self, report: ReportSink) -> None:
         self._report = report

@@ -155,7 +155,7 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
         reports.send(("unavailable", f"the engine failed to load: {describe_error(exc)}"))
         return
     reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
-    loop = EngineLoop(engine, settings.overlap_reports, settings.admit_in_wait)
+    loop = EngineLoop.for_settings(engine, settings)
     send_lock = threading.Lock()
 
     # On the engine thread, between steps. A sender thread of its own was measured slower

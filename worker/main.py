@@ -86,7 +86,7 @@ def load_engine(settings: WorkerSettings) -> EngineRunner:
         process = EngineProcess(settings)
         process.load()
         return process
-    return EngineLoop(build_engine(settings), settings.overlap_reports, settings.admit_in_wait)
+    return EngineLoop.for_settings(build_engine(settings), settings)
 
 
 async def _check_redis(broker: Broker, url: str) -> None:

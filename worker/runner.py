@@ -184,10 +184,9 @@ class Worker:
         """Entries this worker now owns (read or reclaimed): reject, skip, end or run each,
         in pieces of ACCEPT_PIECE, in order."""
         for start in range(0, len(entries), ACCEPT_PIECE):
-            last = start + ACCEPT_PIECE >= len(entries)
-            await self._accept_piece(entries[start : start + ACCEPT_PIECE], gather=last)
+            await self._accept_piece(entries[start : start + ACCEPT_PIECE])
 
-    async def _accept_piece(self, entries: list[StreamEntry], gather: bool = False) -> None:
+    async def _accept_piece(self, entries: list[StreamEntry]) -> None:
         batch = Batch()
         decoded: list[tuple[StreamEntry, GenerationRequest]] = []
         # With --offer-before-start the engine readies the piece's jobs while the worker
@@ -196,8 +195,8 @@ class Worker:
         offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
         self._take_in(entries, batch, decoded, offers)
         try:
-            if gather and entries[-1].more:
-                await self._gather_burst(list(entries), batch, decoded, offers)
+            if entries[-1].more:
+                await self._gather_burst(entries, batch, decoded, offers)
             offers.flush()
             admitted = await self._start_piece(batch, decoded)
         except BaseException:
@@ -231,31 +230,33 @@ class Worker:
 
     async def _gather_burst(
         self,
-        taken: list[StreamEntry],
+        piece: list[StreamEntry],
         batch: Batch,
         decoded: list[tuple[StreamEntry, GenerationRequest]],
         offers: OfferRound,
     ) -> None:
-        """The last entry taken says more of its burst follows: read the rest into this
-        piece, up to the piece's size and the free slots, for at most burst_wait_ms. The
-        engine readies the jobs offered so far meanwhile. A read that fails, or a stop, ends
-        the wait: the jobs taken still run, and the next read meets the error."""
+        """The piece's last entry says more of its burst follows: read the rest into the
+        piece, up to its full size and the free slots, for at most burst_wait_ms. The engine
+        readies the jobs offered so far meanwhile. A full piece (a read's earlier pieces are
+        full) reads nothing; reclaimed entries carry no mark. A read that fails, or a stop,
+        ends the wait: the jobs taken still run, and the next read meets the error."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.burst_wait_ms / 1000
-        while taken[-1].more and not self.stop_reading.is_set():
-            room = min(ACCEPT_PIECE, self.free_slots) - len(taken)
+        taken, more = len(piece), True
+        while more and not self.stop_reading.is_set():
+            room = min(ACCEPT_PIECE, self.free_slots) - taken
             wait_ms = int((deadline - loop.time()) * 1000)
             if room <= 0 or wait_ms < 1:  # BLOCK 0 would wait for ever
                 return
             offers.flush()
             try:
-                more = await self.broker.read(room, wait_ms)
+                rest = await self.broker.read(room, wait_ms)
             except RedisError:
                 return
-            if not more:
+            if not rest:
                 return
-            taken += more
-            self._take_in(more, batch, decoded, offers)
+            taken, more = taken + len(rest), rest[-1].more
+            self._take_in(rest, batch, decoded, offers)
 
     async def _start_piece(
         self, batch: Batch, decoded: list[tuple[StreamEntry, GenerationRequest]]

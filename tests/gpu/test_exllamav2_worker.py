@@ -190,21 +190,11 @@ def test_input_ids_run_as_the_same_prompt_and_unseeded_jobs_draw_apart(engine: A
 def _run_burst(engine: Any, admit_in_wait: bool) -> dict[str, Any]:
     """12 jobs of 1,000-token prompts (slices of 8); b11 cancelled before its build, and
     b09's build made to fail. What each step started and ended, and what step 1 left."""
-    from producer.protocol import GenerationRequest
     from worker.engines.base import JobEnded, TokenChunk
 
     generator = engine.generator
-    vocab = engine.model.config.vocab_size
-    job_ids = [f"b{n:02d}" for n in range(12)]
-    for n, job_id in enumerate(job_ids):
-        # Distinct prompts, so no job reuses another's cached pages.
-        prompt = [1 + (n * 7919 + i * 104_729) % (vocab - 1) for i in range(1000)]
-        engine.add(
-            job_id,
-            GenerationRequest(
-                input_ids=prompt, max_new_tokens=4, ignore_eos=True, sampling={"temperature": 0}
-            ),
-        )
+    for job_id, request in _distinct_prompts(engine, 12, 1000, "b").items():
+        engine.add(job_id, request)
     assert engine.active_jobs == 12 and generator.num_remaining_jobs() == 0  # none built
     assert engine.cancel("b11") == JobEnded("b11", "cancelled", 1000, 0)
     assert engine.active_jobs == 11
@@ -279,13 +269,14 @@ def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
     assert in_wait["started_in"] == between["started_in"]
 
 
-def _distinct_prompts(engine: Any, count: int, tokens: int) -> dict[str, Any]:
-    """Greedy requests of distinct prompts, so no job reuses another's cached pages."""
+def _distinct_prompts(engine: Any, count: int, tokens: int, prefix: str = "o") -> dict[str, Any]:
+    """Greedy requests of distinct prompts, so no job reuses another's cached pages, under
+    the ids {prefix}00, {prefix}01, ..."""
     from producer.protocol import GenerationRequest
 
     vocab = engine.model.config.vocab_size
     return {
-        f"o{n:02d}": GenerationRequest(
+        f"{prefix}{n:02d}": GenerationRequest(
             input_ids=[1 + (n * 7919 + i * 104_729) % (vocab - 1) for i in range(tokens)],
             max_new_tokens=4,
             ignore_eos=True,
