@@ -161,7 +161,7 @@ def _wrap_worker(trace: TraceFile) -> None:
     hand = EngineProcess.add_many
 
     @functools.wraps(hand)
-    def traced_hand(self: Any, jobs: list[Any]) -> None:
+    def traced_hand(self: Any, jobs: Sequence[Any]) -> None:
         trace.note("hand_begin", n=len(jobs))
         hand(self, jobs)
         trace.note("hand_end")
@@ -171,14 +171,14 @@ def _wrap_worker(trace: TraceFile) -> None:
     offer = EngineProcess.offer
 
     @functools.wraps(offer)
-    def traced_offer(self: Any, round_id: int, jobs: list[Any]) -> None:
+    def traced_offer(self: Any, round_id: int, jobs: Sequence[Any]) -> None:
         offer(self, round_id, jobs)
         trace.note("offer_sent", n=len(jobs))
 
     admit = EngineProcess.admit
 
     @functools.wraps(admit)
-    def traced_admit(self: Any, round_id: int, jobs: list[Any]) -> None:
+    def traced_admit(self: Any, round_id: int, jobs: Sequence[Any]) -> None:
         trace.note("hand_begin", n=len(jobs))
         admit(self, round_id, jobs)
         trace.note("hand_end")
@@ -212,7 +212,7 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
     loop_add = Loop.add_many
 
     @functools.wraps(loop_add)
-    def traced_loop_add(self: Any, jobs: list[Any]) -> None:
+    def traced_loop_add(self: Any, jobs: Sequence[Any]) -> None:
         trace.note("engine_recv", n=len(jobs))  # on the command thread, after unpickling
         loop_add(self, jobs)
 
@@ -274,12 +274,12 @@ def _wrap_engine_offers(trace: TraceFile) -> None:
     loop_offer, loop_admit = Loop.offer, Loop.admit
 
     @functools.wraps(loop_offer)
-    def traced_loop_offer(self: Any, round_id: int, jobs: list[Any]) -> None:
+    def traced_loop_offer(self: Any, round_id: int, jobs: Sequence[Any]) -> None:
         trace.note("offer_recv", n=len(jobs))
         loop_offer(self, round_id, jobs)
 
     @functools.wraps(loop_admit)
-    def traced_loop_admit(self: Any, round_id: int, jobs: list[Any]) -> None:
+    def traced_loop_admit(self: Any, round_id: int, jobs: Sequence[Any]) -> None:
         trace.note("engine_recv", n=len(jobs))
         loop_admit(self, round_id, jobs)
 

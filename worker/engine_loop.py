@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from producer.protocol import GenerationRequest, InvalidRequest
+from producer.protocol import InvalidRequest
 from worker.engines.base import (
     CacheUsage,
     Engine,
@@ -22,6 +22,7 @@ from worker.engines.base import (
     TokenChunk,
     describe_error,
 )
+from worker.engines.engine_request import EngineRequest
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
@@ -41,7 +42,7 @@ class _Cancel:
 @dataclass(frozen=True, slots=True)
 class _Offer:
     round: int
-    jobs: list[tuple[str, GenerationRequest]]
+    jobs: Sequence[tuple[str, EngineRequest]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class _Admit:
     add_many() is an admit of no round, every request given whole."""
 
     round: int | None
-    jobs: Sequence[tuple[str, GenerationRequest | None]]
+    jobs: Sequence[tuple[str, EngineRequest | None]]
 
 
 class _Stop:
@@ -87,17 +88,17 @@ class EngineRunner(Protocol):
 
     def start(self, report: ReportSink) -> None: ...
 
-    def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
+    def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         """Hand (job id, request) pairs over together: the engine admits them in one pass."""
         ...
 
-    def offer(self, round_id: int, jobs: list[tuple[str, GenerationRequest]]) -> None:
+    def offer(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         """Jobs the worker is about to start (one round: the entries of one piece, offered
         in one or more calls before the start script's verdict). The engine may check and
         build them now, but runs none until admit() names it."""
         ...
 
-    def admit(self, round_id: int, jobs: list[tuple[str, GenerationRequest | None]]) -> None:
+    def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
         """End a round: start these jobs in one pass, in order (a request of None: the one
         offered under that id in this round), and drop the round's other offers."""
         ...
@@ -153,15 +154,15 @@ class EngineLoop:
     def close(self) -> None:
         self.engine.close()
 
-    def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
+    def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
             self._commands.put(_Admit(None, jobs))
 
-    def offer(self, round_id: int, jobs: list[tuple[str, GenerationRequest]]) -> None:
+    def offer(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
             self._commands.put(_Offer(round_id, jobs))
 
-    def admit(self, round_id: int, jobs: list[tuple[str, GenerationRequest | None]]) -> None:
+    def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
         self._commands.put(_Admit(round_id, jobs))
 
     def cancel(self, job_id: str) -> None:
@@ -312,7 +313,7 @@ class EngineLoop:
                 outputs.append(error)
 
     def _start(
-        self, job_id: str, request: GenerationRequest | None, prepared: object
+        self, job_id: str, request: EngineRequest | None, prepared: object
     ) -> JobErrored | None:
         """Start one job: given whole (``request``), or as offered (``prepared``: what
         prepare() returned, its error, or None if never offered)."""

@@ -7,10 +7,10 @@ import contextlib
 import logging
 import multiprocessing
 import threading
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from producer.protocol import GenerationRequest
 from worker.engine_loop import EngineLoop, ReportSink, StepReport
 from worker.engines.base import (
     CacheUsage,
@@ -22,6 +22,7 @@ from worker.engines.base import (
     TokenChunk,
     describe_error,
 )
+from worker.engines.engine_request import EngineRequest, PackedRequest
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -103,17 +104,20 @@ class EngineProcess:
             elif kind == "stopped":
                 return
 
-    def add_many(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
+    # Requests cross the pipe packed (engine_request.PackedRequest): the child unpickles
+    # them in a few µs a job, where a GenerationRequest took tens, on the way to a burst's
+    # first step; the worker packs them meanwhile.
+    def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:  # one message: the child's engine admits them in one pass
-            self._send(("add", jobs))
+            self._send(("add", _packed(jobs)))
 
-    def offer(self, round_id: int, jobs: list[tuple[str, GenerationRequest]]) -> None:
+    def offer(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
-            self._send(("offer", round_id, jobs))
+            self._send(("offer", round_id, _packed(jobs)))
 
-    def admit(self, round_id: int, jobs: list[tuple[str, GenerationRequest | None]]) -> None:
+    def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
         # The requests offered in this round cross the pipe once: admit names them by id.
-        self._send(("admit", round_id, jobs))
+        self._send(("admit", round_id, [(job_id, _pack(r)) for job_id, r in jobs]))
 
     def cancel(self, job_id: str) -> None:
         self._send(("cancel", job_id))
@@ -137,6 +141,14 @@ class EngineProcess:
             self._process.join()
         self._commands.close()
         self._reports.close()
+
+
+def _pack(request: EngineRequest | None) -> PackedRequest | None:
+    return None if request is None else PackedRequest.of(request)
+
+
+def _packed(jobs: Sequence[tuple[str, EngineRequest]]) -> list[tuple[str, PackedRequest]]:
+    return [(job_id, PackedRequest.of(request)) for job_id, request in jobs]
 
 
 def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:

@@ -187,6 +187,37 @@ def test_input_ids_run_as_the_same_prompt_and_unseeded_jobs_draw_apart(engine: A
     assert runs[0]["unseeded"] != runs[1]["unseeded"]
 
 
+def test_a_packed_request_makes_the_same_tokens_and_ids_outside_the_vocabulary_fail(
+    engine: Any,
+) -> None:
+    """What the engine process gets (PackedRequest: ids in an int64 array) runs as the
+    request it came from; an id past the vocabulary is refused in either form, also one
+    too large for 64 bits, which is packed as it is."""
+    from producer.protocol import GenerationRequest, InvalidRequest
+    from worker.engines.engine_request import PackedRequest
+
+    ids = engine.tokenizer.encode("Once upon a time", add_bos=True)[0].tolist()
+    request = GenerationRequest(
+        input_ids=ids,
+        max_new_tokens=12,
+        ignore_eos=True,
+        sampling={"temperature": 0.9, "top_k": 50, "seed": 5},
+        stop_token_ids=[3],
+    )
+    made = _run_on_engine(engine, {"plain": request}) | _run_on_engine(
+        engine, {"packed": PackedRequest.of(request)}
+    )
+    assert made["packed"] == made["plain"] and len(made["plain"]) > 0
+
+    vocab = engine.model.config.vocab_size
+    for bad in (vocab, 2**64):
+        wrong = GenerationRequest(input_ids=[*ids, bad], max_new_tokens=4)
+        for form in (wrong, PackedRequest.of(wrong)):
+            with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+                engine.prepare("bad", form)
+    assert engine.active_jobs == 0
+
+
 def _run_burst(engine: Any, admit_in_wait: bool) -> dict[str, Any]:
     """12 jobs of 1,000-token prompts (slices of 8); b11 cancelled before its build, and
     b09's build made to fail. What each step started and ended, and what step 1 left."""

@@ -27,7 +27,7 @@ class IntakeEngine(EchoEngine):
 
     def prepare(self, job_id: str, request: GenerationRequest) -> object:
         self.prepared.append(job_id)
-        return request
+        return super().prepare(job_id, request)
 
     def add(self, job_id: str, request: GenerationRequest) -> None:
         self.started.append(job_id)

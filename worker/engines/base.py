@@ -6,7 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from producer.protocol import FinishReason, GenerationRequest, TokenChoices
+from producer.protocol import FinishReason, TokenChoices
+from worker.engines.engine_request import EngineRequest
 
 
 # The outputs are made for every job at every step, on the engine thread, and made again on
@@ -73,6 +74,13 @@ class EngineDead(RuntimeError):
     """The engine can serve nothing more; the process should exit so it is restarted."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Unprepared:
+    """What Engine.prepare() returns by default: the request, for admit() to add."""
+
+    request: EngineRequest
+
+
 class Engine(ABC):
     """Generates tokens for many jobs at once. Every method runs on the engine thread."""
 
@@ -98,21 +106,21 @@ class Engine(ABC):
         )
 
     @abstractmethod
-    def add(self, job_id: str, request: GenerationRequest) -> None:
+    def add(self, job_id: str, request: EngineRequest) -> None:
         """Start a job. Raises InvalidRequest if it can never run as written."""
 
-    def prepare(self, job_id: str, request: GenerationRequest) -> object:
+    def prepare(self, job_id: str, request: EngineRequest) -> object:
         """Check a request the worker is about to start, and do what running it will need,
         without running it: what it returns goes to admit() if the worker starts the job,
         and is dropped if not. Raises InvalidRequest as add() would. Default: nothing ahead;
         admit() adds the request."""
-        return request
+        return _Unprepared(request)
 
     def admit(self, job_id: str, prepared: object) -> None:
         """Start a job that prepare() readied (same errors as add())."""
-        if not isinstance(prepared, GenerationRequest):
+        if not isinstance(prepared, _Unprepared):
             raise TypeError(f"admit() takes what prepare() returned, not {type(prepared)}")
-        self.add(job_id, prepared)
+        self.add(job_id, prepared.request)
 
     def build_ahead(self, prepared: list[object]) -> None:  # noqa: B027 - optional hook
         """Called while the engine is idle and the worker is about to start the jobs these

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ class ChatFormatter:
     def has_template(self) -> bool:
         return self._template is not None
 
-    def render(self, messages: list[ChatMessage]) -> str:
+    def render(self, messages: Sequence[ChatMessage]) -> str:
         if self._template is None:
             lines = [f"{m.role}: {m.content}" for m in messages]
             return "\n".join([*lines, "assistant:"])

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from producer.protocol import FinishReason, GenerationRequest
+from producer.protocol import FinishReason
 from worker.engines.base import CacheUsage, Engine, EngineOutput, JobEnded, TokenChunk
+from worker.engines.engine_request import EngineRequest
 
 # The echo engine's "tokens" are the prompt's words, cycled; one id per word position.
 _PAGE_TOKENS = 256
 
 
-def prompt_words(request: GenerationRequest) -> list[str]:
+def prompt_words(request: EngineRequest) -> list[str]:
     if request.prompt is not None:
         text = request.prompt
     elif request.messages is not None:
@@ -22,7 +24,7 @@ def prompt_words(request: GenerationRequest) -> list[str]:
     return text.split() or ["echo"]
 
 
-def echo_text(request: GenerationRequest) -> str:
+def echo_text(request: EngineRequest) -> str:
     """The whole text the echo engine produces for a request (before stop strings)."""
     words = prompt_words(request)
     return "".join(" " + words[i % len(words)] for i in range(request.max_new_tokens))
@@ -30,7 +32,7 @@ def echo_text(request: GenerationRequest) -> str:
 
 @dataclass
 class _EchoJob:
-    request: GenerationRequest
+    request: EngineRequest
     words: list[str]
     prompt_tokens: int
     emitted: int = 0
@@ -49,7 +51,7 @@ class EchoEngine(Engine):
         self._jobs: dict[str, _EchoJob] = {}
         self._next_step_at = 0.0
 
-    def add(self, job_id: str, request: GenerationRequest) -> None:
+    def add(self, job_id: str, request: EngineRequest) -> None:
         words = prompt_words(request)
         self._jobs[job_id] = _EchoJob(request, words, prompt_tokens=len(words))
 
@@ -114,13 +116,13 @@ class EchoEngine(Engine):
         return CacheUsage(min(-(-tokens // _PAGE_TOKENS), pages_total), pages_total)
 
 
-def _find_stop(stops: list[str], text: str) -> int | None:
+def _find_stop(stops: Sequence[str], text: str) -> int | None:
     positions = [text.find(stop) for stop in stops]
     found = [p for p in positions if p >= 0]
     return min(found) if found else None
 
 
-def _held_back(stops: list[str], text: str) -> int:
+def _held_back(stops: Sequence[str], text: str) -> int:
     """Length of the longest tail of ``text`` that begins some stop string."""
     longest = 0
     for stop in stops:

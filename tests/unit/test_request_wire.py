@@ -1,0 +1,145 @@
+"""Requests cross into the engine process packed (PackedRequest) and read as they were."""
+
+from __future__ import annotations
+
+import array
+import pickle
+from typing import Any
+
+import pytest
+
+from producer.protocol import GenerationRequest, Sampling
+from worker.engine_process import EngineProcess
+from worker.engines.echo import EchoEngine, echo_text
+from worker.engines.engine_request import (
+    EngineRequest,
+    PackedRequest,
+    PackedSampling,
+    SamplingFields,
+)
+from worker.settings import WorkerSettings
+
+# What an engine may read of a request (the members of EngineRequest and SamplingFields).
+REQUEST_FIELDS = [
+    "prompt",
+    "messages",
+    "input_ids",
+    "max_new_tokens",
+    "sampling",
+    "stop",
+    "stop_token_ids",
+    "banned_strings",
+    "ignore_eos",
+    "logprobs",
+]
+SAMPLING_FIELDS = list(Sampling.model_fields)
+
+
+def _requests() -> list[GenerationRequest]:
+    return [
+        GenerationRequest(prompt="Once upon a time", max_new_tokens=7),
+        GenerationRequest(
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say hello"},
+            ],
+            stop=["\n\n", "END"],
+            banned_strings=["sorry"],
+            logprobs=3,
+            sampling=Sampling(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=11),
+        ),
+        GenerationRequest(
+            input_ids=[1, 31_999, 2**40, 0],
+            max_new_tokens=1,
+            stop_token_ids=[2, 7],
+            ignore_eos=True,
+            sampling=Sampling(
+                temperature=0.0,
+                repetition_penalty=1.1,
+                frequency_penalty=0.5,
+                presence_penalty=-0.5,
+                typical=0.9,
+            ),
+        ),
+    ]
+
+
+def _read(request: EngineRequest) -> dict[str, Any]:
+    """Every field an engine reads, sequences as lists, sampling as a dict."""
+    out: dict[str, Any] = {}
+    for name in REQUEST_FIELDS:
+        value = getattr(request, name)
+        if name == "sampling":
+            value = {f: getattr(value, f) for f in SAMPLING_FIELDS}
+        elif isinstance(value, tuple | list | array.array):
+            value = list(value)
+        out[name] = value
+    return out
+
+
+def _members(protocol: type) -> list[str]:
+    return [name for name, value in vars(protocol).items() if isinstance(value, property)]
+
+
+def test_the_packed_form_carries_every_field_an_engine_reads() -> None:
+    # A field an engine reads is added to EngineRequest and to PackedRequest together.
+    assert _members(EngineRequest) == REQUEST_FIELDS
+    assert list(PackedRequest._fields) == REQUEST_FIELDS
+    # Every sampling setting of the wire contract, in the protocol and the packed form.
+    assert sorted(_members(SamplingFields)) == sorted(SAMPLING_FIELDS)
+    assert sorted(PackedSampling._fields) == sorted(SAMPLING_FIELDS)
+
+
+@pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
+def test_a_packed_request_reads_as_the_request_after_the_pipe(request_: GenerationRequest) -> None:
+    packed = PackedRequest.of(request_)
+    crossed = pickle.loads(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL))
+    assert isinstance(crossed, PackedRequest)
+    assert _read(crossed) == _read(request_)
+    assert PackedRequest.of(crossed) is crossed  # packed once
+
+
+def test_token_ids_cross_as_an_int64_array() -> None:
+    packed = PackedRequest.of(GenerationRequest(input_ids=[5, 6, 7]))
+    assert isinstance(packed.input_ids, array.array) and packed.input_ids.typecode == "q"
+    assert packed.input_ids.tolist() == [5, 6, 7]
+
+
+def test_an_id_too_large_for_64_bits_crosses_as_it_is() -> None:
+    # The engine refuses it against its vocabulary; packing must not fail the worker.
+    ids = [3, 2**64 + 5]
+    packed = pickle.loads(pickle.dumps(PackedRequest.of(GenerationRequest(input_ids=ids))))
+    assert list(packed.input_ids) == ids
+
+
+@pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
+def test_an_engine_makes_the_same_text_of_either_form(request_: GenerationRequest) -> None:
+    assert echo_text(PackedRequest.of(request_)) == echo_text(request_)
+    engine = EchoEngine(capacity=2, tokens_per_second=1_000_000)
+    engine.admit("plain", engine.prepare("plain", request_))
+    engine.admit("packed", engine.prepare("packed", PackedRequest.of(request_)))
+    texts: dict[str, str] = {"plain": "", "packed": ""}
+    while engine.active_jobs:
+        for output in engine.step():
+            texts[output.job_id] += getattr(output, "text", "")
+    assert texts["plain"] == texts["packed"] != ""
+
+
+def test_the_engine_process_sends_requests_packed() -> None:
+    process = EngineProcess(WorkerSettings(engine="echo"))
+    sent: list[tuple[Any, ...]] = []
+    process._send = sent.append  # type: ignore[method-assign]
+    first, second = _requests()[:2]
+    process.offer(1, [("a", first)])
+    process.admit(1, [("a", None), ("b", second)])
+    process.add_many([("c", first)])
+    try:
+        assert sent[0][:2] == ("offer", 1)
+        assert sent[0][2] == [("a", PackedRequest.of(first))]
+        assert sent[1] == ("admit", 1, [("a", None), ("b", PackedRequest.of(second))])
+        assert sent[2] == ("add", [("c", PackedRequest.of(first))])
+    finally:
+        for end in (process._commands, process._reports):
+            end.close()
+        for end in (process._child_commands, process._child_reports):
+            end.close()
