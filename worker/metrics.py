@@ -25,20 +25,25 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r, q = self.registry, ["queue"]
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*q, *extra], registry=r)
+        # A series labelled by queue alone is bound to this worker's queue once, here: the
+        # token path updates some for every token, and labels() costs as much as the update.
+        # Binding also creates each series now, so dashboards show zeros, not gaps.
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, q, registry=r).labels(queue)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, q, registry=r)
+            return Gauge(name, doc, q, registry=r).labels(queue)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, q, buckets=buckets, registry=r)
+            return Histogram(name, doc, q, buckets=buckets, registry=r).labels(queue)
 
         self._received = counter("exlq_jobs_received", "Jobs taken from the stream.")
-        self._completed = counter(
-            "exlq_jobs_completed", "Jobs that ended normally.", ("finish_reason",)
+        self._completed = Counter(
+            "exlq_jobs_completed", "Jobs that ended normally.", [*q, "finish_reason"], registry=r
         )
-        self._failed = counter("exlq_jobs_failed", "Jobs that ended in an error.", ("error_type",))
+        self._failed = Counter(
+            "exlq_jobs_failed", "Jobs that ended in an error.", [*q, "error_type"], registry=r
+        )
         self._requeued = counter("exlq_jobs_requeued", "Jobs taken over from a dead worker.")
         self._dead = counter("exlq_jobs_dead_lettered", "Entries moved to the dead stream.")
         self._running = gauge("exlq_jobs_running", "Jobs this worker holds.")
@@ -85,27 +90,6 @@ class Metrics:
             registry=r,
         )
         self._queue = queue
-        # Create every per-queue series now, so dashboards show zeros, not gaps.
-        for collector in (
-            self._received,
-            self._requeued,
-            self._dead,
-            self._running,
-            self._capacity,
-            self._queue_wait,
-            self._ttft,
-            self._itl,
-            self._duration,
-            self._step,
-            self._prompt_tokens,
-            self._generated_tokens,
-            self._cached_tokens,
-            self._pages_used,
-            self._pages_total,
-            self._redis_connected,
-            self._ready,
-        ):
-            collector.labels(queue)
 
     def info(self, version: str, engine: str, model: str, setup: EngineSetup) -> None:
         self._info.labels(
@@ -122,7 +106,7 @@ class Metrics:
         ).set(1)
 
     def job_received(self) -> None:
-        self._received.labels(self._queue).inc()
+        self._received.inc()
 
     def job_completed(self, finish_reason: str) -> None:
         self._completed.labels(self._queue, finish_reason).inc()
@@ -131,48 +115,48 @@ class Metrics:
         self._failed.labels(self._queue, error_type).inc()
 
     def job_requeued(self) -> None:
-        self._requeued.labels(self._queue).inc()
+        self._requeued.inc()
 
     def dead_lettered(self) -> None:
-        self._dead.labels(self._queue).inc()
+        self._dead.inc()
 
     def set_running(self, jobs: int) -> None:
-        self._running.labels(self._queue).set(jobs)
+        self._running.set(jobs)
 
     def set_capacity(self, jobs: int) -> None:
-        self._capacity.labels(self._queue).set(jobs)
+        self._capacity.set(jobs)
 
     def observe_queue_wait(self, seconds: float) -> None:
-        self._queue_wait.labels(self._queue).observe(seconds)
+        self._queue_wait.observe(seconds)
 
     def observe_ttft(self, seconds: float) -> None:
-        self._ttft.labels(self._queue).observe(seconds)
+        self._ttft.observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self._itl.labels(self._queue).observe(seconds)
+        self._itl.observe(seconds)
 
     def observe_duration(self, seconds: float) -> None:
-        self._duration.labels(self._queue).observe(seconds)
+        self._duration.observe(seconds)
 
     def observe_step(self, seconds: float) -> None:
-        self._step.labels(self._queue).observe(seconds)
+        self._step.observe(seconds)
 
     def add_generated_tokens(self, tokens: int) -> None:
-        self._generated_tokens.labels(self._queue).inc(tokens)
+        self._generated_tokens.inc(tokens)
 
     def add_prompt_tokens(self, prompt: int, cached: int) -> None:
-        self._prompt_tokens.labels(self._queue).inc(prompt)
-        self._cached_tokens.labels(self._queue).inc(cached)
+        self._prompt_tokens.inc(prompt)
+        self._cached_tokens.inc(cached)
 
     def set_cache_pages(self, used: int, total: int) -> None:
-        self._pages_used.labels(self._queue).set(used)
-        self._pages_total.labels(self._queue).set(total)
+        self._pages_used.set(used)
+        self._pages_total.set(total)
 
     def set_redis_connected(self, connected: bool) -> None:
-        self._redis_connected.labels(self._queue).set(1 if connected else 0)
+        self._redis_connected.set(1 if connected else 0)
 
     def set_ready(self, ready: bool) -> None:
-        self._ready.labels(self._queue).set(1 if ready else 0)
+        self._ready.set(1 if ready else 0)
 
     def wsgi_app(self) -> WsgiApp:
         app: WsgiApp = make_wsgi_app(self.registry)
