@@ -117,7 +117,7 @@ class EngineProcess:
 
     def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
         # The requests offered in this round cross the pipe once: admit names them by id.
-        self._send(("admit", round_id, [(job_id, _pack(r)) for job_id, r in jobs]))
+        self._send(("admit", round_id, _packed(jobs)))
 
     def cancel(self, job_id: str) -> None:
         self._send(("cancel", job_id))
@@ -143,12 +143,11 @@ class EngineProcess:
         self._reports.close()
 
 
-def _pack(request: EngineRequest | None) -> PackedRequest | None:
-    return None if request is None else PackedRequest.of(request)
-
-
-def _packed(jobs: Sequence[tuple[str, EngineRequest]]) -> list[tuple[str, PackedRequest]]:
-    return [(job_id, PackedRequest.of(request)) for job_id, request in jobs]
+def _packed(
+    jobs: Sequence[tuple[str, EngineRequest | None]],
+) -> list[tuple[str, PackedRequest | None]]:
+    """The jobs with their requests packed (an admit's None: a job offered before)."""
+    return [(job_id, None if r is None else PackedRequest.of(r)) for job_id, r in jobs]
 
 
 def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:
