@@ -15,9 +15,11 @@ lost the script (a restart, SCRIPT FLUSH) gets it again.
 A large burst goes out in pieces of PIECE_JOBS. On Python >= 3.12 a piece is written as
 soon as it is full and one more submit of the pass waits behind it (an eagerly started
 task), while the loop pass goes on validating the rest of the burst: a worker starts on the
-first piece while the others are still being built here. The first piece of a pass holds
-FIRST_PIECE_JOBS, so a worker hears of a burst after a few jobs are validated, not 32.
-Earlier Pythons send the pieces at the end of the pass, in order.
+first piece while the others are still being built here. The pass's first PIECE_JOBS jobs,
+the engine's first slice, go in pieces of FIRST_PIECE_JOBS, so a worker hears of a burst
+after a few jobs are validated, and its engine readies each few while the next are
+validated, not the last 24 at once. Earlier Pythons send the pieces at the end of the
+pass, in order.
 
 Every entry of a piece that has another piece of the same pass behind it carries the field
 ``more`` (``1``): a worker that reads it waits a moment for the rest of the burst
@@ -45,8 +47,9 @@ from producer.subscriber import EventRouter
 # slice. Redis runs nothing else while a script runs: 256 jobs of 256-token prompts took
 # 3.5 ms of it (INFO commandstats, development machine), 64 jobs 0.8 ms.
 PIECE_JOBS = 32
-# The first piece of a loop pass: a worker offers these jobs to its engine while the SDK
-# validates the rest of the burst (docs/PERFORMANCE.md, "A burst's first piece").
+# The pieces of a loop pass's first PIECE_JOBS jobs: a worker offers each to its engine
+# while the SDK validates the next (docs/PERFORMANCE.md, "A burst's first piece" and "A
+# burst's first slice in pieces of 8").
 FIRST_PIECE_JOBS = 8
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
@@ -124,7 +127,7 @@ class SubmitBatcher:
         self._script = client.register_script(SUBMIT_MANY_LUA)
         self._waiting: list[_Pending] = []
         self._flush_due = False
-        self._sent_this_pass = False  # a piece of this loop pass went out early
+        self._sent_this_pass = 0  # jobs of this loop pass sent early, in full pieces
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def submit(self, job_id: str, request_json: str) -> Submitted:
@@ -134,11 +137,11 @@ class SubmitBatcher:
         (as with any command already sent); its channel is then unsubscribed."""
         pending = _Pending(job_id, request_json)
         self._waiting.append(pending)
-        piece = PIECE_JOBS if self._sent_this_pass else FIRST_PIECE_JOBS
+        piece = FIRST_PIECE_JOBS if self._sent_this_pass < PIECE_JOBS else PIECE_JOBS
         if EAGER_SEND and len(self._waiting) > piece:
             # A full piece, and a submit behind it: the piece goes now, marked as followed.
             batch, self._waiting = self._waiting[:piece], self._waiting[piece:]
-            self._sent_this_pass = True
+            self._sent_this_pass += piece
             self._spawn(self._send(batch, more=True), eager=True)
         if not self._flush_due:
             # Runs after every task that is ready now has run up to its own await.
@@ -164,7 +167,7 @@ class SubmitBatcher:
 
     async def _flush(self) -> None:
         self._flush_due = False
-        self._sent_this_pass = False
+        self._sent_this_pass = 0
         batch, self._waiting = self._waiting, []
         # Written in order (the event connection's write lock is first come, first served),
         # each piece's reply awaited on its own; every piece but the last is followed.

@@ -37,11 +37,12 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 # A read's entries reach the engine in pieces of this many jobs, the size of the SDK's
-# submit pieces, so one piece written is one piece accepted: each piece is parsed, started
-# and handed over before the next is parsed, so the engine starts prefilling a burst's first
-# slice (the admission budget's 8,192 tokens hold 32 prompts of 256) while the worker takes
-# in the rest. The whole burst in one piece: the first slice waited for every job to be
-# parsed, started and piped.
+# full submit pieces (the SDK writes a burst's first piece of this size in parts of 8, which
+# _gather_burst reads into one): each piece is parsed, started and handed over before the
+# next is parsed, so the engine starts prefilling a burst's first slice (the admission
+# budget's 8,192 tokens hold 32 prompts of 256) while the worker takes in the rest. The
+# whole burst in one piece: the first slice waited for every job to be parsed, started and
+# piped.
 ACCEPT_PIECE = PIECE_JOBS
 
 EXIT_OK = 0

@@ -149,8 +149,10 @@ async def test_a_burst_larger_than_a_piece_goes_out_in_pieces_in_order(
         )
         if EAGER_SEND:
             # Python >= 3.12: a piece is written once it is full and a submit waits behind
-            # it, while the rest of the burst is submitted; the first holds FIRST_PIECE_JOBS.
-            pieces = [FIRST_PIECE_JOBS, PIECE_JOBS, PIECE_JOBS, PIECE_JOBS]
+            # it, while the rest of the burst is submitted; the pass's first PIECE_JOBS go
+            # in pieces of FIRST_PIECE_JOBS.
+            pieces = [FIRST_PIECE_JOBS] * (PIECE_JOBS // FIRST_PIECE_JOBS)
+            pieces += [PIECE_JOBS, PIECE_JOBS]
             pieces.append(count - sum(pieces))
         else:
             pieces = [PIECE_JOBS, PIECE_JOBS, PIECE_JOBS, count - 3 * PIECE_JOBS]
