@@ -16,6 +16,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import to_json
 
 from producer.keys import NAME_PATTERN
 
@@ -175,6 +176,36 @@ class TokenEvent(_Event):
     text: str
     token_ids: list[int]
     logprobs: list[TokenChoices] | None = None
+
+
+def token_event_json(
+    job_id: str,
+    seq: int,
+    attempt: int,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[TokenChoices] | None = None,
+) -> str:
+    """A TokenEvent's JSON, byte for byte as ``model_dump_json(exclude_none=True)`` writes it,
+    for values the worker already holds as the model's types. A worker writes one per job
+    per step: without logprobs this writes a dict through pydantic's own JSON writer and
+    builds no model (1 against 7 µs on the development machine). Tests check that the two
+    agree and that this names every field of TokenEvent."""
+    if logprobs is not None:
+        return TokenEvent.model_construct(
+            id=job_id, seq=seq, attempt=attempt, text=text, token_ids=token_ids, logprobs=logprobs
+        ).model_dump_json(exclude_none=True)
+    return to_json(
+        {
+            "v": PROTOCOL_VERSION,
+            "id": job_id,
+            "seq": seq,
+            "attempt": attempt,
+            "type": "token",
+            "text": text,
+            "token_ids": token_ids,
+        }
+    ).decode()
 
 
 class DoneEvent(_Event):

@@ -14,9 +14,9 @@ from producer.protocol import (
     JobState,
     RequeuedEvent,
     Timings,
-    TokenEvent,
     Usage,
     final_state,
+    token_event_json,
 )
 from worker.engines.base import JobEnded, TokenChunk
 
@@ -59,15 +59,9 @@ class RunningJob:
         self.last_token_at = now
         self.text_parts.append(chunk.text)
         self.completion_tokens += len(chunk.token_ids)
-        event = TokenEvent.model_construct(
-            id=self.job_id,
-            seq=self._next_seq(),
-            attempt=self.attempt,
-            text=chunk.text,
-            token_ids=chunk.token_ids,
-            logprobs=chunk.logprobs,
+        return token_event_json(
+            self.job_id, self._next_seq(), self.attempt, chunk.text, chunk.token_ids, chunk.logprobs
         )
-        return event.model_dump_json(exclude_none=True)
 
     def timings(self, now: float) -> Timings:
         first = None if self.first_token_at is None else self.first_token_at - self.enqueued_at

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from producer.keys import QueueKeys
 from producer.protocol import (
@@ -12,10 +14,13 @@ from producer.protocol import (
     DoneEvent,
     GenerationRequest,
     InvalidRequest,
+    TokenChoices,
     TokenEvent,
+    TokenLogprob,
     json_schemas,
     parse_event,
     parse_request,
+    token_event_json,
 )
 
 
@@ -62,6 +67,56 @@ def test_events_round_trip_through_json() -> None:
     )
     done = parse_event(raw)
     assert isinstance(done, DoneEvent) and done.usage.cached_tokens == 0
+
+
+_LOGPROBS = st.lists(
+    st.builds(
+        TokenChoices,
+        top=st.lists(
+            st.builds(
+                TokenLogprob,
+                token=st.text(),
+                token_id=st.integers(min_value=0, max_value=2**31),
+                logprob=st.floats(max_value=0.0, allow_nan=False, allow_infinity=False),
+            ),
+            max_size=3,
+        ),
+    ),
+    max_size=3,
+)
+
+
+@given(
+    job_id=st.text(min_size=1),
+    seq=st.integers(min_value=0, max_value=2**62),
+    attempt=st.integers(min_value=1, max_value=2**31),
+    text=st.text(),
+    token_ids=st.lists(st.integers(min_value=0, max_value=2**62), max_size=8),
+    logprobs=st.none() | _LOGPROBS,
+)
+def test_the_workers_token_event_writer_matches_the_model_byte_for_byte(
+    job_id: str,
+    seq: int,
+    attempt: int,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[TokenChoices] | None,
+) -> None:
+    # Any text a tokenizer may decode to (quotes, control characters, non-BMP characters)
+    # must reach subscribers as the model would write it, and parse back to the same event.
+    written = token_event_json(job_id, seq, attempt, text, token_ids, logprobs)
+    model = TokenEvent(
+        id=job_id, seq=seq, attempt=attempt, text=text, token_ids=token_ids, logprobs=logprobs
+    )
+    assert written == model.model_dump_json(exclude_none=True)
+    assert parse_event(written) == model
+
+
+def test_the_workers_token_event_writer_names_every_field_of_the_event() -> None:
+    # A field added to TokenEvent must be added to token_event_json too: this fails until it
+    # is. (With logprobs the writer builds the model, so every field shows there.)
+    written = json.loads(token_event_json("j", 0, 1, "hi", [5]))
+    assert set(written) | {"logprobs"} == set(TokenEvent.model_fields)
 
 
 def test_schema_export_covers_request_event_and_result() -> None:
