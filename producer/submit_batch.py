@@ -61,7 +61,7 @@ SUBMIT_MANY_LUA = per_job_script(
 local stream = KEYS[1]
 local ttl = ARGV[1]
 local max_backlog = tonumber(ARGV[2])
-local more = ARGV[3] == '1'
+local marks = ARGV[3] == '1' and {'more', '1'} or {}
 local function submit(job, request)
   if redis.call('EXISTS', job) == 1 then
     return {'duplicate', redis.call('HGET', job, 'state') or ''}
@@ -70,12 +70,7 @@ local function submit(job, request)
     local backlog = redis.call('XLEN', stream)
     if backlog >= max_backlog then return {'full', tostring(backlog)} end
   end
-  local entry
-  if more then
-    entry = redis.call('XADD', stream, '*', 'job', request, 'more', '1')
-  else
-    entry = redis.call('XADD', stream, '*', 'job', request)
-  end
+  local entry = redis.call('XADD', stream, '*', 'job', request, unpack(marks))
   redis.call('HSET', job, 'state', 'queued', 'entry', entry, 'attempts', 0)
   redis.call('EXPIRE', job, ttl)
   return {'queued', entry}
