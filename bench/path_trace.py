@@ -514,6 +514,7 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         # ms each report waited between its step's end and its send (--overlap-reports)
         "reports_held_ms": [r.get("held") for r in at("report_sent")][:steps_shown],
         "reports_in": [[_ms(r["t"], t0), r["firsts"]] for r in at("report_in")][:steps_shown],
+        "commits_begin": [_ms(r["t"], t0) for r in at("commit_begin")][: steps_shown + 4],
         "commits_end": [_ms(r["t"], t0) for r in at("commit_end")][: steps_shown + 4],
         # collections of 1 ms or more in the worker's processes: [start ms, ms, generation]
         "worker_gc": [[_ms(r["begin"], t0), _ms(r["t"], r["begin"]), r["gen"]] for r in at("gc")],
@@ -531,7 +532,9 @@ STAGES: list[tuple[str, Callable[[Record], float]]] = [
     ("the engine has added it", lambda r: r["engine_apply"][0][1]),
     ("the first step begins", lambda r: r["steps"][0][0]),
     ("the first step ends", lambda r: r["steps"][0][1]),
+    ("the engine process sends its report", lambda r: r["reports_sent"][0]),
     ("its report reaches the worker's event loop", lambda r: r["reports_in"][0][0]),
+    ("the worker has its events, the commit script is called", lambda r: _commit_begin(r)),
     ("its events are in Redis (commit script returns)", lambda r: r["commits_end"][0]),
     ("the SDK reads the median job's first event", lambda r: r["sdk_first_event_by_group"][0]),
     ("the median job's stream() yields it", lambda r: r["first_token_by_group"][0]),
@@ -541,6 +544,14 @@ STAGES: list[tuple[str, Callable[[Record], float]]] = [
     # none when the last part and the admit reached the engine together
     ("offered: the engine has built ahead", lambda r: _before_admit(r, "builds")),
 ]
+
+
+def _commit_begin(r: Record) -> float:
+    """When the commit of the first step's report began: the last commit begun before the
+    first commit end after that report reached the worker."""
+    report_in = r["reports_in"][0][0]
+    end = min(t for t in r["commits_end"] if t >= report_in)
+    return float(max(t for t in r["commits_begin"] if report_in <= t <= end))
 
 
 def _before_admit(r: Record, what: str) -> float:

@@ -23,6 +23,10 @@ sends the previous step's report there, while the GPU works.
 With admit_prompt_tokens > 0 a step starts only as many waiting jobs as hold that many
 prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts every one that
 fits: a burst starts in slices, and its first jobs decode while the rest prefill.
+
+Making exlq's generator also gives every job queued afterwards its held-output buffers on
+first use (exllamav2_job_buffers.py): a job's build, on the way to a burst's first token,
+no longer allocates five buffers it mostly never writes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from worker.engines.exllamav2_attention import (
     installed_exllamav2,
     padding_supported,
 )
+from worker.engines.exllamav2_job_buffers import install_on_demand_buffers
 from worker.engines.exllamav2_prefill import PrefillBatcher
 from worker.engines.prefill_plan import jobs_to_start
 from worker.kernels.paged_attention import TILE_CLASS_ROWS
@@ -78,6 +83,7 @@ def make_dynamic_generator(
             PINNED_EXLLAMAV2,
         )
         return ExLlamaV2DynamicGenerator(**kwargs)
+    install_on_demand_buffers()
     return ExlqDynamicGenerator(
         gpu_sampling=gpu_sampling,
         prefill_batch_tokens=prefill_batch_tokens,

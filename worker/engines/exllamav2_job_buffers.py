@@ -1,0 +1,92 @@
+"""A job's held-output buffers allocated when first written, not when the job is queued.
+
+exllamav2 0.3.2's ExLlamaV2DynamicJob.prepare_for_queue gives every job five SeqTensors for
+the output it holds back between steps: its tokens, and their probabilities, top-k tokens,
+top-k probabilities and logits, which only a job that asks for them ever fills. Each
+allocates its buffer at once, 256 positions deep; the logits' is 256 x vocab float32, 33 MB
+of address space a job at a vocab of 32,000. Building a job is on the way to a burst's first
+token: on the H100's host a job's build took 156 µs with the five buffers and 123 µs with
+buffers allocated on first use (bursts of 32; 128 jobs 18.3 against 13.8 ms;
+docs/PERFORMANCE.md).
+
+OnDemandSeqTensor is exllamav2's SeqTensor with its buffer made on first use: a buffer that
+is never written is never made, and one that is written behaves as before.
+install_on_demand_buffers() puts it in place of SeqTensor in exllamav2.generator.dynamic,
+whose only calls of that name's constructor are those five (from_tensor builds exllamav2's
+own class). The name is looked up when a job is queued, so the change is process-wide:
+every job queued after it, exlq's or not, gets buffers on demand. Pinned to exllamav2 0.3.2
+like the other hooks: tests/gpu/test_job_buffers.py fails if the constructor calls move,
+and checks that held output is the same either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import exllamav2.generator.dynamic as exllamav2_dynamic
+import torch
+from exllamav2.util import SeqTensor
+
+from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
+
+log = logging.getLogger(__name__)
+
+
+class OnDemandSeqTensor(SeqTensor):  # type: ignore[misc]
+    """exllamav2's SeqTensor whose buffer is allocated on its first use, not when it is made.
+    Capacity, shape and growth are SeqTensor's."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        seq_dim: int,
+        device: Any = "cpu",
+        init_cap: int = -1,
+    ) -> None:
+        # SeqTensor.__init__ without its torch.empty().
+        if seq_dim < 0:
+            seq_dim += len(shape)
+        self.seq_dim = seq_dim
+        self.seq_len = 0
+        page = self.PAGE_SIZE
+        self.seq_cap = page if init_cap == -1 else (init_cap // page + 1) * page
+        full = list(shape)
+        full[seq_dim] = self.seq_cap
+        self._shape = tuple(full)
+        self._dtype = dtype
+        self._device = device
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self._buffer is not None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        return self._buffer
+
+    @tensor.setter
+    def tensor(self, value: torch.Tensor) -> None:  # SeqTensor.append grows it by replacing
+        self._buffer = value
+
+
+def install_on_demand_buffers() -> bool:
+    """Jobs queued from now on get their held-output buffers on first use; False (and
+    exllamav2's own buffers) where another exllamav2 than the pinned one is installed."""
+    if exllamav2_dynamic.SeqTensor is OnDemandSeqTensor:
+        return True
+    installed = installed_exllamav2()
+    if installed != PINNED_EXLLAMAV2:
+        log.warning(
+            "job buffers as exllamav2 makes them: exllamav2 %s is installed; buffers on "
+            "demand are written for %s",
+            installed,
+            PINNED_EXLLAMAV2,
+        )
+        return False
+    exllamav2_dynamic.SeqTensor = OnDemandSeqTensor
+    return True
