@@ -92,13 +92,14 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
     stage_ms = [float(cell) for cell in cells[:-1]]
     # In order, but for the races of two processes: the engine may note its receipt before
     # the worker notes its send's end, and the SDK may read an event before the commit's reply.
-    way_in, engine_side = stage_ms[:4], stage_ms[4:10]
+    way_in, engine_side = stage_ms[:4], stage_ms[4:12]
     assert way_in == sorted(way_in) and engine_side == sorted(engine_side)
-    assert stage_ms[2] <= stage_ms[4] and stage_ms[7] <= min(stage_ms[10:12])
+    # The SDK reads the first event only once the commit that writes it has been called.
+    assert stage_ms[2] <= stage_ms[4] and stage_ms[10] <= min(stage_ms[12:14])
     # --offer-before-start (the default): the first part went out once the worker started
     # on the piece, and the engine prepared the piece before it added it, and built ahead
     # (the echo engine builds nothing, but the loop gives it the chance) when it was idle.
-    offered, prepared = stage_ms[12:14]
+    offered, prepared = stage_ms[14:16]
     assert stage_ms[2] <= offered <= prepared <= stage_ms[5]
     if built_ahead is not None:  # after some part was offered; later parts may come after
         assert offered <= built_ahead <= stage_ms[5]
