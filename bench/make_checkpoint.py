@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SHAPES", "Shape", "main", "make_checkpoint"]
+__all__ = ["SHAPES", "Shape", "main", "make_checkpoint", "model_for"]
 
 BOS_ID = 1
 EOS_ID = 2
@@ -334,6 +334,16 @@ def make_checkpoint(out_dir: Path, shape: str, seed: int = 0) -> Path:
     _write_json(out_dir / "generation_config.json", _generation_config_json())
     _write_weights(out_dir, sh, seed)
     return out_dir
+
+
+def model_for(shape: str, models: Path) -> tuple[Path, str]:
+    """The model a benchmark runs and the name its results give it: `shape` is a preset shape
+    (its random-weight checkpoint written under `models`) or a model directory that exists
+    already (an EXL2 conversion, say), named by its folder."""
+    given = Path(shape)
+    if given.is_dir():
+        return given, given.name
+    return make_checkpoint(Path(models) / f"llama-{shape}-random", shape), shape
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,7 @@ from bench.exlq_path import (
     switch_flag,
     worker_options,
 )
-from bench.make_checkpoint import make_checkpoint
+from bench.make_checkpoint import model_for
 from bench.placement import Placement, on_cpus, placement
 from bench.run import RESULTS, exlq_attention_patch, gpu_name
 
@@ -101,7 +101,7 @@ class EngineAlone:
 
 
 def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
-    model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
+    model, shape = model_for(args.shape, Path(args.models))
     biggest = max(args.concurrency)
     runs: list[dict[str, Any]] = []
     system_cpus = place.server or os.sched_getaffinity(0)
@@ -136,7 +136,7 @@ def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
                             cpu_probe_ms=_stepper_probes(row, before, after),
                             cpu_probes_ms={cpu: [before[cpu], after[cpu]] for cpu in before},
                             repeat=repeat,
-                            shape=args.shape,
+                            shape=shape,
                         )
                         runs.append(row)
                         print(
@@ -389,7 +389,11 @@ def main() -> None:
         metavar="JSON",
         help="measure nothing: summarize the pairs of these result files together",
     )
-    ap.add_argument("--shape", default="1b", help="a random-weight shape: 1b or 8b")
+    ap.add_argument(
+        "--shape",
+        default="1b",
+        help="a random-weight shape (1b or 8b) or a model directory (an EXL2 conversion, say)",
+    )
     ap.add_argument("--concurrency", default="1,8,32,64,128")
     ap.add_argument("--repeats", type=int, default=6, help="pairs at each concurrency")
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
@@ -411,7 +415,7 @@ def main() -> None:
     meta = {
         "gpu": gpu_name(),
         "date": dt.date.today().isoformat(),
-        "shape": args.shape,
+        "shape": Path(args.shape).name,
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "cache_tokens": args.cache_tokens,
@@ -433,7 +437,7 @@ def main() -> None:
     started = time.monotonic()
     runs = measure(args, place)
     meta["seconds"] = round(time.monotonic() - started)
-    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}-paired-{args.shape}{args.tag}"
+    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}-paired-{meta['shape']}{args.tag}"
     write(runs, meta, Path(args.out), stem)
 
 

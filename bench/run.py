@@ -18,7 +18,7 @@ from typing import Any
 
 from bench import baselines
 from bench.exlq_path import add_engine_options, bench_exlq, engine_options
-from bench.make_checkpoint import make_checkpoint
+from bench.make_checkpoint import model_for
 from bench.placement import AUTO_MIN_CPUS, AUTO_SERVER_CPUS, Placement, on_cpus, placement
 
 # Systems whose model runs inside the bench process.
@@ -75,11 +75,7 @@ def run_shape(
 ) -> list[dict[str, Any]]:
     """`shape` names a random-weight shape (made on the spot), or is a model directory that
     exists already (an EXL2 conversion, say), which is then named by its folder."""
-    given = Path(shape)
-    if given.is_dir():
-        model, shape = given, given.name
-    else:
-        model = make_checkpoint(Path(args.models) / f"llama-{shape}-random", shape)
+    model, shape = model_for(shape, Path(args.models))
     floor_ms = baselines.memory_bandwidth_floor_ms(model, bandwidth)
     rows: list[dict[str, Any]] = []
     point = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens}
