@@ -1,12 +1,8 @@
 """CUDA graphs for exllamav2's decode step: one captured forward pass per batch size.
 
-exllamav2 captures CUDA graphs only inside the C++ modules of quantized (EXL2) weights, and
-only up to 32 rows. With fp16 weights every decode step launches ten-odd kernels per layer
-from Python, and with EXL2 weights each layer still runs its modules and attention from
-Python; at the batch sizes a worker runs, that host time, not the GPU, sets the step time
-(docs/PERFORMANCE.md). With EXL2 weights the model must be loaded with exllamav2's own
-module graphs off (load_generator's decode_graphs): a stream that is capturing cannot begin
-another capture. The dynamic
+exllamav2 captures CUDA graphs only for quantized (EXL2) weights. With fp16 weights every
+decode step launches ten-odd kernels per layer from Python, and at the batch sizes a worker
+runs that host time, not the GPU, sets the step time (docs/PERFORMANCE.md). The dynamic
 generator's decode call has one shape per batch size (one new token per job, paged attention
 through a block table), so it is captured once per batch size at start-up and replayed. What
 varies between steps (the new tokens, the block table, the sequence lengths) is copied into
@@ -53,12 +49,8 @@ def graphs_unsupported_reason(model: Any, cache: Any) -> str | None:
     if getattr(model, "tp_context", None) is not None:
         return "the model is split by tensor parallelism"
     layers = model.modules[1:]
-    quantized = any(getattr(m, "q_handle", None) is not None for m in layers)
-    if quantized and not model.config.no_graphs:
-        return (
-            "the weights are quantized and were loaded with exllamav2's own module graphs on "
-            "(load_generator(decode_graphs=True) turns them off)"
-        )
+    if any(getattr(m, "q_handle", None) is not None for m in layers):
+        return "the weights are quantized (exllamav2 runs its own graphs for those)"
     devices = {m.device_idx for m in layers}
     if len(devices) != 1 or devices == {None} or -1 in devices:
         return f"the layers sit on more than one device ({sorted(map(str, devices))})"
