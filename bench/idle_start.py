@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench.make_checkpoint import make_checkpoint
+from bench.make_checkpoint import model_for
 from bench.paired import EngineAlone
 from bench.placement import on_cpus, placement
 from bench.run import RESULTS, gpu_name
@@ -65,8 +65,7 @@ def gap_of(kind: str, seconds: float) -> Callable[[], None]:
     return gaps[kind]
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
+def measure(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     place = placement(args.worker_cpus)
     with on_cpus(place.server):
         # The worker's defaults: batched prefill, one sampling thread, the admission budget.
@@ -137,19 +136,20 @@ def main() -> None:
     unknown = set(args.kinds) - set(KINDS)
     if unknown:
         ap.error(f"--kinds: unknown {', '.join(sorted(unknown))}; use some of {','.join(KINDS)}")
-    rows = measure(args)
+    model, shape = model_for(args.shape, Path(args.models))
+    rows = measure(args, model)
     summary = summarize(rows)
     meta = {
         "gpu": gpu_name(),
         "date": dt.date.today().isoformat(),
-        "shape": args.shape,
+        "shape": shape,
         "concurrency": args.concurrency,
         "gap_s": args.gap_s,
         "command": f"python -m bench.idle_start --shape {args.shape} --concurrency "
         f"{args.concurrency} --repeats {args.repeats} --kinds {','.join(args.kinds)} "
         f"--gap-s {args.gap_s}",
     }
-    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}-idle-start-{args.shape}"
+    stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}-idle-start-{shape}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(

@@ -19,7 +19,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from bench.make_checkpoint import make_checkpoint
+from bench.make_checkpoint import model_for
 
 
 def _requests(rng: random.Random, jobs: int, prompt_tokens: int, vocab: int) -> list[Any]:
@@ -71,7 +71,7 @@ def main() -> None:
     from worker.engines.exllamav2_engine import load_exllamav2_engine
     from worker.settings import WorkerSettings
 
-    model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
+    model, _ = model_for(args.shape, Path(args.models))
     engine = load_exllamav2_engine(
         WorkerSettings(
             model=model,

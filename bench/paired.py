@@ -100,8 +100,9 @@ class EngineAlone:
         self.loaded.unload()
 
 
-def measure(args: argparse.Namespace, place: Placement) -> list[dict[str, Any]]:
-    model, shape = model_for(args.shape, Path(args.models))
+def measure(
+    args: argparse.Namespace, place: Placement, model: Path, shape: str
+) -> list[dict[str, Any]]:
     biggest = max(args.concurrency)
     runs: list[dict[str, Any]] = []
     system_cpus = place.server or os.sched_getaffinity(0)
@@ -412,10 +413,11 @@ def main() -> None:
         return
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     place = placement(args.worker_cpus)
+    model, shape = model_for(args.shape, Path(args.models))
     meta = {
         "gpu": gpu_name(),
         "date": dt.date.today().isoformat(),
-        "shape": Path(args.shape).name,
+        "shape": shape,
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "cache_tokens": args.cache_tokens,
@@ -435,7 +437,7 @@ def main() -> None:
         ),
     }
     started = time.monotonic()
-    runs = measure(args, place)
+    runs = measure(args, place, model, shape)
     meta["seconds"] = round(time.monotonic() - started)
     stem = f"{meta['date']}-{meta['gpu'].replace(' ', '-')}-paired-{meta['shape']}{args.tag}"
     write(runs, meta, Path(args.out), stem)

@@ -625,8 +625,11 @@ def main() -> None:
     elif args.out is None:
         raise SystemExit("--out is required to measure")
     else:
-        runs = measure(args)
-        (args.out / f"path-trace-{args.shape}.json").write_text(json.dumps(runs, indent=1))
+        from bench.make_checkpoint import model_for
+
+        model, shape = model_for(args.shape, Path(args.models))
+        runs = measure(args, model, shape)
+        (args.out / f"path-trace-{shape}.json").write_text(json.dumps(runs, indent=1))
 
 
 def _load_in_process(
@@ -725,17 +728,15 @@ class TracedSystems:
         return row
 
 
-def measure(args: argparse.Namespace) -> list[Record]:
+def measure(args: argparse.Namespace, model: Path, shape: str) -> list[Record]:
     from bench import baselines
     from bench.exlq_path import ExlqPath, engine_options, worker_options
-    from bench.make_checkpoint import make_checkpoint
     from bench.placement import placement
 
     concurrencies = [int(n) for n in args.concurrency.split(",")]
     place = placement(args.worker_cpus)
-    trace_dir = args.out / f"trace-{args.shape}"
+    trace_dir = args.out / f"trace-{shape}"
     trace_dir.mkdir(parents=True, exist_ok=True)
-    model = make_checkpoint(Path(args.models) / f"llama-{args.shape}-random", args.shape)
     bench_trace = BenchTrace()  # for the life of this process
     runs: list[Record] = []
     engine, engine_class = _load_in_process(args, model, max(concurrencies), place.server)

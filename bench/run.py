@@ -73,8 +73,7 @@ def exlq_attention_patch() -> None:
 def run_shape(
     shape: str, args: argparse.Namespace, bandwidth: float, place: Placement
 ) -> list[dict[str, Any]]:
-    """`shape` names a random-weight shape (made on the spot), or is a model directory that
-    exists already (an EXL2 conversion, say), which is then named by its folder."""
+    """Every asked-for system at every concurrency on one model (`model_for`'s `shape`)."""
     model, shape = model_for(shape, Path(args.models))
     floor_ms = baselines.memory_bandwidth_floor_ms(model, bandwidth)
     rows: list[dict[str, Any]] = []

@@ -84,25 +84,49 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
     assert len(record["first_token_by_group"]) == 2
     assert sum(n for *_, n in record["sdk_sends"]) == jobs
     table = path_trace.stage_table([record | {"n": jobs}])
-    cells = [line.split("|")[2].strip() for line in table.splitlines() if "| exlq:" in line]
-    assert len(cells) == len(path_trace.STAGES)
+    cells = {
+        row[1].strip().removeprefix("exlq: "): row[2].strip()
+        for row in (line.split("|") for line in table.splitlines() if "| exlq:" in line)
+    }
+    assert list(cells) == [label for label, _ in path_trace.STAGES]
     # The engine builds ahead only when it is idle between an offer and its admit; when the
     # last part and the admit reach it together, that stage has no value ("-").
-    built_ahead = None if cells[-1] == "-" else float(cells[-1])
-    stage_ms = [float(cell) for cell in cells[:-1]]
+    built = cells.pop("offered: the engine has built ahead")
+    built_ahead = None if built == "-" else float(built)
+    ms = {label: float(cell) for label, cell in cells.items()}
     # In order, but for the races of two processes: the engine may note its receipt before
     # the worker notes its send's end, and the SDK may read an event before the commit's reply.
-    way_in, engine_side = stage_ms[:4], stage_ms[4:12]
+    way_in = [
+        ms["the SDK starts writing the first piece"],
+        ms["the worker's read returns it"],
+        ms["the worker starts on the piece"],
+        ms["parsed, started in Redis, handed to the pipe"],
+    ]
+    engine_side = [
+        ms["the engine process has it"],
+        ms["the engine has added it"],
+        ms["the first step begins"],
+        ms["the first step ends"],
+        ms["the engine process sends its report"],
+        ms["its report reaches the worker's event loop"],
+        ms["the worker has its events, the commit script is called"],
+        ms["its events are in Redis (commit script returns)"],
+    ]
     assert way_in == sorted(way_in) and engine_side == sorted(engine_side)
+    assert ms["the worker starts on the piece"] <= ms["the engine process has it"]
     # The SDK reads the first event only once the commit that writes it has been called.
-    assert stage_ms[2] <= stage_ms[4] and stage_ms[10] <= min(stage_ms[12:14])
+    commit_called = ms["the worker has its events, the commit script is called"]
+    assert commit_called <= ms["the SDK reads the median job's first event"]
+    assert commit_called <= ms["the median job's stream() yields it"]
     # --offer-before-start (the default): the first part went out once the worker started
     # on the piece, and the engine prepared the piece before it added it, and built ahead
     # (the echo engine builds nothing, but the loop gives it the chance) when it was idle.
-    offered, prepared = stage_ms[14:16]
-    assert stage_ms[2] <= offered <= prepared <= stage_ms[5]
+    offered = ms["offered: the worker sends the first part"]
+    prepared = ms["offered: the engine has prepared the last part"]
+    added = ms["the engine has added it"]
+    assert ms["the worker starts on the piece"] <= offered <= prepared <= added
     if built_ahead is not None:  # after some part was offered; later parts may come after
-        assert offered <= built_ahead <= stage_ms[5]
+        assert offered <= built_ahead <= added
 
 
 def test_group_medians_are_per_slice_of_jobs_in_submit_order() -> None:
