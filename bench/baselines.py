@@ -316,6 +316,7 @@ def exl_load(
         max_chunk_size=max_chunk_size,
         sampling_threads=sampling_threads,
         paged=paged,
+        decode_graphs=exlq_decode,
     )
 
 

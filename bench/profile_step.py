@@ -35,6 +35,7 @@ def build(
         prefill_batch_tokens=0,
         max_chunk_size=chunk,
         sampling_threads=threads,
+        decode_graphs=graphs,
     )
     generator = loaded.generator
     decode_graphs = warm_up(generator, jobs if graphs else None).graphs

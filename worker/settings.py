@@ -42,7 +42,7 @@ class WorkerSettings(BaseSettings):
         "process", description="run the engine in a process of its own, or on a thread"
     )
     cuda_graphs: bool = Field(
-        True, description="replay the decode step from CUDA graphs (fp16 models, one GPU)"
+        True, description="replay the decode step from CUDA graphs (fp16 and EXL2 models, one GPU)"
     )
     gpu_sampling: bool = Field(
         True, description="sample greedy/temperature/top_k/min_p jobs on the GPU in one batch"

@@ -1,4 +1,5 @@
-"""One helper the GPU tests share: a batch of greedy jobs run to the end."""
+"""Helpers the GPU tests share: a batch of greedy jobs run to the end, and two such runs
+compared."""
 
 from __future__ import annotations
 
@@ -32,3 +33,31 @@ def greedy_tokens_and_logits(
                 tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
                 logits[result["identifier"]].append(result["logits"][0].float().cpu())
     return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
+
+
+def assert_same_greedy(
+    want: dict[int, tuple[list[int], Any]],
+    got: dict[int, tuple[list[int], Any]],
+    new_tokens: list[int],
+    tolerance: float = 2e-2,
+) -> float:
+    """Two runs of the same greedy jobs computed the same thing: up to each job's first
+    differing token both runs saw the same inputs, so their logits agree within
+    `tolerance`, and a token may differ only where the top two logits are a near tie.
+    Returns the largest logit difference seen."""
+    worst = 0.0
+    for i, (want_tokens, want_logits) in want.items():
+        got_tokens, got_logits = got[i]
+        assert len(got_tokens) == new_tokens[i]
+        same = next(
+            (t for t, (a, b) in enumerate(zip(want_tokens, got_tokens, strict=True)) if a != b),
+            len(want_tokens),
+        )
+        upto = min(same + 1, len(want_tokens))
+        diff = (want_logits[:upto] - got_logits[:upto]).abs().max().item()
+        worst = max(worst, diff)
+        assert diff <= tolerance, f"job {i}: logits differ by {diff}"
+        if same < len(want_tokens):
+            top2 = want_logits[same].topk(2).values
+            assert (top2[0] - top2[1]).item() <= 2 * diff, f"job {i}: token {same} differs"
+    return worst

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.greedy import greedy_tokens_and_logits
+from tests.gpu.greedy import assert_same_greedy, greedy_tokens_and_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,23 +53,7 @@ def test_graph_replay_matches_the_eager_forward_pass(
     generator.reset_page_table()
     replayed = _generate(generator)
     assert graphs.replays >= max(NEW_TOKENS) - 1, "decode steps did not go through the graphs"
-    worst = 0.0
-    for i, (want_tokens, want_logits) in eager.items():
-        got_tokens, got_logits = replayed[i]
-        assert len(got_tokens) == NEW_TOKENS[i]
-        # Up to the first differing token both runs saw the same inputs, so the logits must
-        # agree; a token may differ only where the top two logits are a near tie.
-        same = next(
-            (t for t, (a, b) in enumerate(zip(want_tokens, got_tokens, strict=True)) if a != b),
-            len(want_tokens),
-        )
-        upto = min(same + 1, len(want_tokens))
-        diff = (want_logits[:upto] - got_logits[:upto]).abs().max().item()
-        worst = max(worst, diff)
-        assert diff <= 2e-2, f"job {i}: logits differ by {diff}"
-        if same < len(want_tokens):
-            top2 = want_logits[same].topk(2).values
-            assert (top2[0] - top2[1]).item() <= 2 * diff, f"job {i}: token {same} differs"
+    worst = assert_same_greedy(eager, replayed, NEW_TOKENS)
     print(
         f"\ndecode graphs (embedding table on the {'GPU' if gpu_embedding else 'CPU'}): "
         f"{len(graphs._graphs)} sizes captured in {seconds:.2f}s, "

@@ -116,6 +116,7 @@ class ExLlamaV2Engine(Engine):
             max_chunk_size=settings.max_chunk_size,
             sampling_threads=settings.sampling_threads,
             gpu_embedding=settings.gpu_embedding,
+            decode_graphs=settings.cuda_graphs,
         )
         self.gpu_embedding = self.loaded.gpu_embedding
         self.model = self.loaded.model

@@ -1,10 +1,18 @@
 """CUDA graphs for exllamav2's decode step: one captured forward pass per batch size.
 
-exllamav2 captures CUDA graphs only for quantized (EXL2) weights. With fp16 weights every
-decode step launches ten-odd kernels per layer from Python, and at the batch sizes a worker
-runs that host time, not the GPU, sets the step time (docs/PERFORMANCE.md). The dynamic
-generator's decode call has one shape per batch size (one new token per job, paged attention
-through a block table), so it is captured once per batch size at start-up and replayed. What
+exllamav2 captures CUDA graphs only inside the C++ modules of quantized (EXL2) weights, and
+only up to 32 rows. With fp16 weights every decode step launches ten-odd kernels per layer
+from Python, and with EXL2 weights each layer still runs its modules and attention from
+Python; at the batch sizes a worker runs, that host time, not the GPU, sets the step time
+(docs/PERFORMANCE.md). With EXL2 weights the model is loaded with exllamav2's own module
+graphs off (load_generator's decode_graphs): a module begins a capture of its own after
+its 205th call at one shape, which cannot nest in this one. And exllamav2's EXL2 matmul
+times its first calls at each small shape with a host wait, which would break a capture, so
+those calls run first (settle_gemm_tuning).
+
+The dynamic generator's decode call has one shape per batch size (one new token per job,
+paged attention through a block table), so it is captured once per batch size at start-up
+and replayed. What
 varies between steps (the new tokens, the block table, the sequence lengths) is copied into
 static buffers the graphs read. The new tokens go in as ids when the embedding table is on
 the GPU (exllamav2_embedding.py; the graph gathers their rows), else as rows gathered on the
@@ -13,7 +21,8 @@ CPU.
 Pinned to exllamav2 0.3.2 like the attention hook: another installed version gets no graphs
 (graphs_unsupported_reason says so), tests/gpu/test_decode_graphs.py fails if the decode call
 or the paged parameters move, and checks that replayed steps give the same tokens and logits
-as exllamav2's own forward pass.
+as exllamav2's own forward pass; tests/gpu/test_decode_graphs_exl2.py does the same on EXL2
+weights and fails if the matmul's tuning constants move.
 """
 
 from __future__ import annotations
@@ -32,6 +41,13 @@ log = logging.getLogger(__name__)
 # offsets, an abort event, ...) runs eagerly.
 _DECODE_KWARGS = frozenset({"attn_params", "cache", "loras", "indexed_embeddings"})
 
+# exllamav2 0.3.2's EXL2 matmul (exllamav2_ext/cuda/q_gemm.cu) tunes its block size for each
+# shape of up to EXL2_BLOCK_M_SIZE_MAX rows: it times the shape's first AT_NUM_MEASURE calls
+# with CUDA events and waits for each on the host, which invalidates a stream capture. Larger
+# shapes take the tuned result of the largest of these.
+_TUNED_ROWS = 4
+_TUNING_CALLS = 200
+
 
 class GraphsUnsupported(ValueError):
     """Decode graphs cannot serve this model; the message says why."""
@@ -49,12 +65,39 @@ def graphs_unsupported_reason(model: Any, cache: Any) -> str | None:
     if getattr(model, "tp_context", None) is not None:
         return "the model is split by tensor parallelism"
     layers = model.modules[1:]
-    if any(getattr(m, "q_handle", None) is not None for m in layers):
-        return "the weights are quantized (exllamav2 runs its own graphs for those)"
+    quantized = any(getattr(m, "q_handle", None) is not None for m in layers)
+    if quantized and not model.config.no_graphs:
+        return (
+            "the weights are quantized and were loaded with exllamav2's own module graphs on "
+            "(load_generator(decode_graphs=True) turns them off)"
+        )
     devices = {m.device_idx for m in layers}
     if len(devices) != 1 or devices == {None} or -1 in devices:
         return f"the layers sit on more than one device ({sorted(map(str, devices))})"
     return None
+
+
+def settle_gemm_tuning(model: Any, stream: Any) -> int:
+    """Run each quantized matrix's shape of 1.._TUNED_ROWS rows through exllamav2's tuning
+    calls, eagerly, so that no captured call times itself. Returns the calls made (none for
+    fp16 weights)."""
+    import torch
+
+    shapes: dict[tuple[int, int], Any] = {}
+    for module in model.modules:
+        for linear in [module, *module.submodules]:
+            if getattr(linear, "q_handle", None) is not None and hasattr(linear, "in_features"):
+                shapes.setdefault((linear.in_features, linear.out_features), linear)
+    calls = 0
+    with torch.cuda.stream(stream):
+        for (in_features, _), linear in shapes.items():
+            for rows in range(1, _TUNED_ROWS + 1):
+                x = torch.zeros((rows, in_features), dtype=torch.half, device=stream.device)
+                for _ in range(_TUNING_CALLS):
+                    linear.forward(x)
+                calls += _TUNING_CALLS
+    stream.synchronize()
+    return calls
 
 
 class DecodeGraphs:
@@ -126,6 +169,7 @@ class DecodeGraphs:
         started = time.perf_counter()
         sizes = sorted(batch_sizes or range(1, self.max_batch + 1), reverse=True)
         with torch.inference_mode(), torch.cuda.device(self._device):
+            settle_gemm_tuning(self.model, self._stream)
             for size in sizes:
                 self._capture_one(size)
         torch.cuda.synchronize(self._device)

@@ -52,6 +52,7 @@ def load_generator(
     sampling_threads: int = 16,
     paged: bool = True,
     gpu_embedding: bool = False,
+    decode_graphs: bool = False,
 ) -> LoadedGenerator:
     """Load the model in ``model_dir`` with a cache of ``cache_tokens`` (rounded down to whole
     pages, at least one) and a generator for ``max_batch_size`` jobs. ``max_chunk_size``
@@ -59,12 +60,16 @@ def load_generator(
     ``admit_prompt_tokens`` > 0: the jobs one step starts hold at most that many prompt
     tokens together (exlq's generator). ``gpu_embedding``: the embedding table moves to the
     GPU where there is room (exllamav2_embedding.py); else it stays in system memory, as
-    exllamav2 loads it.
+    exllamav2 loads it. ``decode_graphs``: the decode step will be captured whole
+    (warm_up's graphs_for), so quantized modules are loaded without exllamav2's own graphs,
+    which a capture cannot hold; fp16 modules have none either way.
     """
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
     config = ExLlamaV2Config(str(model_dir))
     size_model_config(config, max_batch_size, prefill_batch_tokens)
+    if decode_graphs:
+        config.no_graphs = True
     cache_tokens = max(PAGE_TOKENS, cache_tokens // PAGE_TOKENS * PAGE_TOKENS)
     model = ExLlamaV2(config)
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)

@@ -1,0 +1,133 @@
+"""EXL2 weights: decode steps replayed from exlq's CUDA graphs compute what exllamav2's own
+forward pass computes, on both of exllamav2's quantized matmul paths (up to 32 rows it
+multiplies from the quantized weights; above, it dequantizes and calls cuBLAS)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpu.greedy import assert_same_greedy, greedy_tokens_and_logits
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+JOBS = 40  # the batch shrinks from 40 rows, through 32, to a few
+PROMPT_TOKENS = [5 + (37 * i) % 300 for i in range(JOBS)]
+NEW_TOKENS = [4 + (7 * i) % 17 for i in range(JOBS)]
+
+
+@pytest.fixture(scope="module")
+def exl2_model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight shape, quantized to 4.0 bpw by exllamav2's own converter."""
+    from bench.make_checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("exl2")
+    fp16 = make_checkpoint(root / "llama-tiny-random", "tiny")
+    out = root / "llama-tiny-exl2-4.0bpw"
+    converter = [sys.executable, "-m", "exllamav2.conversion.convert_exl2"]
+    calibration = ["-b", "4.0", "-r", "4", "-l", "256", "-mr", "2", "-ml", "256"]
+    args = ["-i", str(fp16), "-o", str(root / "work"), "-cf", str(out), *calibration]
+    done = subprocess.run([*converter, *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def _load(model_dir: Path, decode_graphs: bool) -> Any:
+    from worker.engines.exllamav2_attention import install_attention
+    from worker.engines.exllamav2_load import load_generator
+
+    install_attention("exlq")
+    return load_generator(
+        model_dir,
+        max_batch_size=JOBS,
+        cache_tokens=16384,
+        gpu_sampling=False,
+        prefill_batch_tokens=0,
+        decode_graphs=decode_graphs,
+    )
+
+
+def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
+    import torch
+
+    rng = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 32000, (1, n), generator=rng) for n in PROMPT_TOKENS]
+    return greedy_tokens_and_logits(generator, prompts, NEW_TOKENS)
+
+
+def test_exl2_graph_replay_matches_the_eager_forward_pass(exl2_model_dir: Path) -> None:
+    from worker.engines.exllamav2_graphs import DecodeGraphs, graphs_unsupported_reason
+
+    loaded = _load(exl2_model_dir, decode_graphs=True)
+    try:
+        generator = loaded.generator
+        assert any(getattr(m, "q_handle", None) is not None for m in loaded.model.modules)
+        assert graphs_unsupported_reason(loaded.model, loaded.cache) is None
+        eager = _generate(generator)
+        graphs = DecodeGraphs(
+            loaded.model,
+            loaded.cache,
+            max_batch=JOBS,
+            max_pages=-(-generator.max_seq_len // generator.page_size),
+            page_size=generator.page_size,
+        )
+        seconds = graphs.capture()
+        graphs.install()
+        generator.reset_page_table()
+        replayed = _generate(generator)
+        assert graphs.replays >= max(NEW_TOKENS) - 1, "decode steps did not go through graphs"
+        worst = assert_same_greedy(eager, replayed, NEW_TOKENS)
+        print(
+            f"\nEXL2 decode graphs: {len(graphs._graphs)} sizes captured in {seconds:.2f}s, "
+            f"{graphs.replays} replays, max abs logit diff vs eager {worst:.3g}"
+        )
+    finally:
+        loaded.unload()
+
+
+def test_exl2_loaded_with_exllamav2s_own_graphs_gets_no_decode_graphs(
+    exl2_model_dir: Path,
+) -> None:
+    """A capture cannot hold exllamav2's own module graphs; the reason says how to load."""
+    from worker.engines.exllamav2_graphs import graphs_unsupported_reason
+
+    loaded = _load(exl2_model_dir, decode_graphs=False)
+    try:
+        reason = graphs_unsupported_reason(loaded.model, loaded.cache)
+        assert reason is not None and "decode_graphs=True" in reason
+    finally:
+        loaded.unload()
+
+
+def _define(source: Path, name: str) -> int:
+    for line in source.read_text().splitlines():
+        words = line.split()
+        if words[:2] == ["#define", name]:
+            return int(words[2])
+    raise AssertionError(f"{name} is not defined in {source}")
+
+
+def test_the_matmul_tuning_that_capture_waits_out_is_as_pinned(cuda: None) -> None:
+    """settle_gemm_tuning runs exllamav2's timed matmul calls before a capture; if the
+    installed extension times more calls or larger shapes, a capture would break."""
+    import exllamav2
+
+    from worker.engines import exllamav2_graphs
+
+    ext = Path(exllamav2.__file__).parent / "exllamav2_ext"
+    assert _define(ext / "cuda" / "q_gemm_autotune.cuh", "AT_NUM_MEASURE") == (
+        exllamav2_graphs._TUNING_CALLS
+    )
+    assert _define(ext / "config.h", "MAX_Q_GEMM_ROWS_KERNEL") == exllamav2_graphs._TUNED_ROWS
+    kernel = (ext / "cuda" / "q_gemm_kernel.cuh").read_text()
+    assert "#define EXL2_BLOCK_M_SIZE_MAX MAX_Q_GEMM_ROWS_KERNEL" in kernel
+    gemm = (ext / "cuda" / "q_gemm.cu").read_text()
+    assert "if (size_m > EXL2_BLOCK_M_SIZE_MAX)" in gemm and "cudaEventSynchronize" in gemm
