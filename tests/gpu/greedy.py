@@ -1,8 +1,9 @@
-"""Helpers the GPU tests share: a batch of greedy jobs run to the end, and two such runs
-compared."""
+"""Helpers the GPU tests share: a batch of greedy jobs run to the end, two such runs
+compared, and the same jobs run eagerly and from decode graphs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -61,3 +62,30 @@ def assert_same_greedy(
             top2 = want_logits[same].topk(2).values
             assert (top2[0] - top2[1]).item() <= 2 * diff, f"job {i}: token {same} differs"
     return worst
+
+
+def compare_replay_with_eager(
+    generator: Any,
+    generate: Callable[[Any], dict[int, tuple[list[int], Any]]],
+    max_batch: int,
+    new_tokens: list[int],
+) -> tuple[Any, float]:
+    """Run `generate` eagerly, then again with decode graphs captured for 1..max_batch jobs;
+    assert that the decode steps replayed and computed the same (assert_same_greedy).
+    Returns the graphs and the largest logit difference."""
+    from worker.engines.exllamav2_graphs import DecodeGraphs
+
+    eager = generate(generator)
+    graphs = DecodeGraphs(
+        generator.model,
+        generator.cache,
+        max_batch=max_batch,
+        max_pages=-(-generator.max_seq_len // generator.page_size),
+        page_size=generator.page_size,
+    )
+    graphs.capture()
+    graphs.install()
+    generator.reset_page_table()
+    replayed = generate(generator)
+    assert graphs.replays >= max(new_tokens) - 1, "decode steps did not go through the graphs"
+    return graphs, assert_same_greedy(eager, replayed, new_tokens)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.greedy import assert_same_greedy, greedy_tokens_and_logits
+from tests.gpu.greedy import compare_replay_with_eager, greedy_tokens_and_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,27 +36,11 @@ def test_graph_replay_matches_the_eager_forward_pass(
 ) -> None:
     """With the embedding table on the GPU the graph gathers the rows itself; in system
     memory it is given rows gathered on the CPU. Either way it computes the eager pass."""
-    from worker.engines.exllamav2_graphs import DecodeGraphs
-
     generator = make_generator(max_batch=8, gpu_embedding=gpu_embedding)
-    eager = _generate(generator)
-    max_pages = -(-generator.max_seq_len // generator.page_size)
-    graphs = DecodeGraphs(
-        generator.model,
-        generator.cache,
-        max_batch=8,
-        max_pages=max_pages,
-        page_size=generator.page_size,
-    )
-    seconds = graphs.capture()
-    graphs.install()
-    generator.reset_page_table()
-    replayed = _generate(generator)
-    assert graphs.replays >= max(NEW_TOKENS) - 1, "decode steps did not go through the graphs"
-    worst = assert_same_greedy(eager, replayed, NEW_TOKENS)
+    graphs, worst = compare_replay_with_eager(generator, _generate, 8, NEW_TOKENS)
     print(
         f"\ndecode graphs (embedding table on the {'GPU' if gpu_embedding else 'CPU'}): "
-        f"{len(graphs._graphs)} sizes captured in {seconds:.2f}s, "
+        f"{len(graphs._graphs)} sizes captured in {graphs.capture_seconds:.2f}s, "
         f"{graphs.replays} replays, max abs logit diff vs eager {worst:.3g}"
     )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.greedy import assert_same_greedy, greedy_tokens_and_logits
+from tests.gpu.greedy import compare_replay_with_eager, greedy_tokens_and_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,30 +64,17 @@ def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
 
 
 def test_exl2_graph_replay_matches_the_eager_forward_pass(exl2_model_dir: Path) -> None:
-    from worker.engines.exllamav2_graphs import DecodeGraphs, graphs_unsupported_reason
+    from worker.engines.exllamav2_graphs import graphs_unsupported_reason
 
     loaded = _load(exl2_model_dir, decode_graphs=True)
     try:
-        generator = loaded.generator
         assert any(getattr(m, "q_handle", None) is not None for m in loaded.model.modules)
         assert graphs_unsupported_reason(loaded.model, loaded.cache) is None
-        eager = _generate(generator)
-        graphs = DecodeGraphs(
-            loaded.model,
-            loaded.cache,
-            max_batch=JOBS,
-            max_pages=-(-generator.max_seq_len // generator.page_size),
-            page_size=generator.page_size,
-        )
-        seconds = graphs.capture()
-        graphs.install()
-        generator.reset_page_table()
-        replayed = _generate(generator)
-        assert graphs.replays >= max(NEW_TOKENS) - 1, "decode steps did not go through graphs"
-        worst = assert_same_greedy(eager, replayed, NEW_TOKENS)
+        graphs, worst = compare_replay_with_eager(loaded.generator, _generate, JOBS, NEW_TOKENS)
         print(
-            f"\nEXL2 decode graphs: {len(graphs._graphs)} sizes captured in {seconds:.2f}s, "
-            f"{graphs.replays} replays, max abs logit diff vs eager {worst:.3g}"
+            f"\nEXL2 decode graphs: {len(graphs._graphs)} sizes captured in "
+            f"{graphs.capture_seconds:.2f}s, {graphs.replays} replays, "
+            f"max abs logit diff vs eager {worst:.3g}"
         )
     finally:
         loaded.unload()
