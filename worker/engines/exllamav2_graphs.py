@@ -12,11 +12,10 @@ those calls run first (settle_gemm_tuning).
 
 The dynamic generator's decode call has one shape per batch size (one new token per job,
 paged attention through a block table), so it is captured once per batch size at start-up
-and replayed. What
-varies between steps (the new tokens, the block table, the sequence lengths) is copied into
-static buffers the graphs read. The new tokens go in as ids when the embedding table is on
-the GPU (exllamav2_embedding.py; the graph gathers their rows), else as rows gathered on the
-CPU.
+and replayed. What varies between steps (the new tokens, the block table, the sequence
+lengths) is copied into static buffers the graphs read. The new tokens go in as ids when
+the embedding table is on the GPU (exllamav2_embedding.py; the graph gathers their rows),
+else as rows gathered on the CPU.
 
 Pinned to exllamav2 0.3.2 like the attention hook: another installed version gets no graphs
 (graphs_unsupported_reason says so), tests/gpu/test_decode_graphs.py fails if the decode call
