@@ -42,7 +42,9 @@ def build(
     if graphs:
         assert decode_graphs is not None
         print(f"CUDA graphs for 1..{jobs} jobs captured in {decode_graphs.capture_seconds:.1f} s")
-    return loaded, generator
+        if decode_graphs.padded:
+            print(f"batches of {sorted(decode_graphs.padded)} jobs replay padded")
+    return loaded, generator, decode_graphs
 
 
 def fill(
@@ -71,18 +73,32 @@ def fill(
 def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    loaded, generator = build(
+    loaded, generator, graphs = build(
         model_dir, jobs, args.cache_tokens, args.chunk, args.sampling_threads, args.graphs,
         args.gpu_sampling,
     )  # fmt: skip
     fill(generator, model_dir, jobs, args.prompt_tokens, args.max_new_tokens)
-    walls = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        generator.iterate()
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - started) * 1000)
+
+    def timed_steps(stepped: Any) -> list[float]:
+        walls = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            stepped.iterate()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - started) * 1000)
+        return walls
+
+    walls = timed_steps(generator)
+    padding: dict[str, list[float]] = {}
+    if graphs is not None and jobs in graphs.padded:
+        # The same jobs stepped unpadded and padded in turn (EXL2 weights).
+        chosen = graphs.padded
+        for _ in range(2):
+            graphs.use_padding({})
+            padding.setdefault("unpadded", []).append(statistics.median(timed_steps(generator)))
+            graphs.use_padding(chosen)
+            padding.setdefault("padded", []).append(statistics.median(timed_steps(generator)))
     if not args.profile:
         generator.clear_queue()
         loaded.unload()
@@ -91,6 +107,7 @@ def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, An
             "graphs": args.graphs,
             "gpu_sampling": args.gpu_sampling,
             "step_ms_median": statistics.median(walls),
+            **({"padding_step_ms": padding} if padding else {}),
         }
     profiler = cProfile.Profile()
     profiler.enable()
@@ -148,6 +165,12 @@ def main() -> None:
                 f"== {r['jobs']} jobs, graphs {r['graphs']}, GPU sampling {r['gpu_sampling']}: "
                 f"{r['step_ms_median']:.2f} ms/step"
             )
+            if "padding_step_ms" in r:
+                turns = r["padding_step_ms"]
+                print(
+                    f"   in turn, unpadded {' / '.join(f'{ms:.2f}' for ms in turns['unpadded'])}"
+                    f", padded {' / '.join(f'{ms:.2f}' for ms in turns['padded'])} ms/step"
+                )
             continue
         print(
             f"== {r['jobs']} jobs, cache {r['cache_tokens']}: {r['step_ms_median']:.2f} ms/step "

@@ -69,10 +69,12 @@ def compare_replay_with_eager(
     generate: Callable[[Any], dict[int, tuple[list[int], Any]]],
     max_batch: int,
     new_tokens: list[int],
+    after_capture: Callable[[Any], None] | None = None,
 ) -> tuple[Any, float]:
-    """Run `generate` eagerly, then again with decode graphs captured for 1..max_batch jobs;
-    assert that the decode steps replayed and computed the same (assert_same_greedy).
-    Returns the graphs and the largest logit difference."""
+    """Run `generate` eagerly, then again with decode graphs captured for 1..max_batch jobs
+    (`after_capture` may set them up further); assert that the decode steps replayed and
+    computed the same (assert_same_greedy). Returns the graphs and the largest logit
+    difference."""
     from worker.engines.exllamav2_graphs import DecodeGraphs
 
     eager = generate(generator)
@@ -84,6 +86,8 @@ def compare_replay_with_eager(
         page_size=generator.page_size,
     )
     graphs.capture()
+    if after_capture is not None:
+        after_capture(graphs)
     graphs.install()
     generator.reset_page_table()
     replayed = generate(generator)

@@ -80,6 +80,36 @@ def test_exl2_graph_replay_matches_the_eager_forward_pass(exl2_model_dir: Path) 
         loaded.unload()
 
 
+def test_exl2_batches_replayed_padded_match_the_eager_forward_pass(exl2_model_dir: Path) -> None:
+    """A batch of up to 32 jobs replayed from the 33-row graph, its spare rows copies of
+    the first job's, computes what exllamav2's forward pass computes for the batch alone.
+    Every size is padded here, whatever the capture measured, so that each decode step of
+    32 jobs or fewer takes the padded path."""
+    from worker.engines import exllamav2_graphs
+
+    pad_rows = exllamav2_graphs._QUANT_KERNEL_ROWS + 1
+    loaded = _load(exl2_model_dir, decode_graphs=True)
+
+    def pad_every_size(graphs: Any) -> None:
+        print(f"\nmeasured at capture: sizes {sorted(graphs.padded)} padded")
+        graphs.use_padding({size: pad_rows for size in range(1, pad_rows)})
+
+    try:
+        graphs, worst = compare_replay_with_eager(
+            loaded.generator, _generate, JOBS, NEW_TOKENS, after_capture=pad_every_size
+        )
+        # Job i takes NEW_TOKENS[i] - 1 decode steps after its prefill: every step with 32
+        # jobs or fewer left replayed padded (14 of the 19 here).
+        left = [sum(1 for n in NEW_TOKENS if n - 1 >= step) for step in range(1, max(NEW_TOKENS))]
+        assert graphs.padded_replays == sum(1 for jobs in left if jobs < pad_rows)
+        print(
+            f"EXL2 padded replays: {graphs.padded_replays} of {graphs.replays}, "
+            f"max abs logit diff vs eager {worst:.3g}"
+        )
+    finally:
+        loaded.unload()
+
+
 def test_exl2_loaded_with_exllamav2s_own_graphs_gets_no_decode_graphs(
     exl2_model_dir: Path,
 ) -> None:
@@ -118,3 +148,16 @@ def test_the_matmul_tuning_that_capture_waits_out_is_as_pinned(cuda: None) -> No
     assert "#define EXL2_BLOCK_M_SIZE_MAX MAX_Q_GEMM_ROWS_KERNEL" in kernel
     gemm = (ext / "cuda" / "q_gemm.cu").read_text()
     assert "if (size_m > EXL2_BLOCK_M_SIZE_MAX)" in gemm and "cudaEventSynchronize" in gemm
+
+
+def test_the_rows_where_the_matmul_dequantizes_are_as_pinned(cuda: None) -> None:
+    """Padded replays (choose_padding) take a batch past the rows up to which exllamav2
+    multiplies from the quantized weights; if that bound moves, the padded size is wrong."""
+    import exllamav2
+
+    from worker.engines import exllamav2_graphs
+
+    ext = Path(exllamav2.__file__).parent / "exllamav2_ext"
+    assert _define(ext / "config.h", "MAX_Q_GEMM_ROWS") == exllamav2_graphs._QUANT_KERNEL_ROWS
+    gemm = (ext / "cuda" / "q_gemm.cu").read_text()
+    assert "if (size_m > MAX_Q_GEMM_ROWS && !force_cuda && size_k <= row_step)" in gemm

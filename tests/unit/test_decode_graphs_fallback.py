@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -27,6 +27,7 @@ class _Generator:
 class _Graphs:
     installed = False
     fail = True
+    padded: ClassVar[dict[int, int]] = {}
 
     def __init__(
         self, model: Any, cache: Any, max_batch: int, max_pages: int, page_size: int
@@ -69,6 +70,20 @@ def test_captured_graphs_are_installed_and_pages_forgotten(fake_graphs: type[_Gr
         assert fake_graphs.installed and generator.resets == 1
     finally:
         fake_graphs.fail = True
+
+
+def test_the_log_names_the_batches_that_replay_padded(
+    fake_graphs: type[_Graphs], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_graphs.fail = False
+    fake_graphs.padded = {size: 33 for size in range(22, 33)}
+    try:
+        with caplog.at_level(logging.INFO):
+            assert exllamav2_graphs.install_decode_graphs(_Generator(), 4) is not None
+        assert "batches of 22..32 jobs replay padded to 33 rows" in caplog.text
+    finally:
+        fake_graphs.fail = True
+        fake_graphs.padded = {}
 
 
 def test_another_exllamav2_version_gets_no_graphs(monkeypatch: pytest.MonkeyPatch) -> None:

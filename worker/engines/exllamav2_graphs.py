@@ -10,6 +10,14 @@ its 205th call at one shape, which cannot nest in this one. And exllamav2's EXL2
 times its first calls at each small shape with a host wait, which would break a capture, so
 those calls run first (settle_gemm_tuning).
 
+Up to 32 rows exllamav2 multiplies from EXL2 weights with a kernel that reads them once per
+4 rows; from 33 rows on it dequantizes each matrix and calls cuBLAS. Where the first is the
+slower (on an 8B shape, batches of about 20 to 32 rows), a decode step of that many jobs
+replays the 33-row graph instead, its spare rows copies of the first job's: they compute
+what it computes and write the same keys and values to the same place, and their logits are
+dropped. Which sizes take the padded graph is measured when the graphs are captured
+(choose_padding).
+
 The dynamic generator's decode call has one shape per batch size (one new token per job,
 paged attention through a block table), so it is captured once per batch size at start-up
 and replayed. What varies between steps (the new tokens, the block table, the sequence
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
@@ -46,6 +55,11 @@ _DECODE_KWARGS = frozenset({"attn_params", "cache", "loras", "indexed_embeddings
 # shapes take the tuned result of the largest of these.
 _TUNED_ROWS = 4
 _TUNING_CALLS = 200
+# Up to this many rows the EXL2 matmul runs exllamav2's quantized kernel; above, it
+# dequantizes into cuBLAS (q_gemm.cu, MAX_Q_GEMM_ROWS in config.h).
+_QUANT_KERNEL_ROWS = 32
+# A size replays padded only where the padded graph takes less than this share of its own.
+_PAD_GAIN = 0.95
 
 
 class GraphsUnsupported(ValueError):
@@ -99,11 +113,30 @@ def settle_gemm_tuning(model: Any, stream: Any) -> int:
     return calls
 
 
+def choose_padding(
+    replay_ms: Callable[[int], float], sizes: list[int], pad_rows: int
+) -> dict[int, int]:
+    """The sizes that should replay the `pad_rows` graph, from `replay_ms` (the GPU time of
+    one replay of a size's graph): from the largest size below `pad_rows` down, each whose
+    padded replay takes under _PAD_GAIN of its own, stopping at the first that does not (a
+    smaller batch only gets cheaper)."""
+    if pad_rows not in sizes:
+        return {}
+    padded_ms = replay_ms(pad_rows)
+    chosen: dict[int, int] = {}
+    for size in sorted((s for s in sizes if s < pad_rows), reverse=True):
+        if padded_ms >= _PAD_GAIN * replay_ms(size):
+            break
+        chosen[size] = pad_rows
+    return chosen
+
+
 class DecodeGraphs:
     """Stands in for `model.forward_chunk`: replays a captured graph for decode calls of up
     to `max_batch` jobs whose block table is at most `max_pages` pages of `page_size` tokens
     wide; every other call goes to exllamav2's own forward pass. GraphsUnsupported if the
-    model cannot be captured."""
+    model cannot be captured. With EXL2 weights it also captures a graph of
+    _QUANT_KERNEL_ROWS + 1 rows, for the batches that run faster padded to it."""
 
     def __init__(
         self, model: Any, cache: Any, max_batch: int, max_pages: int, page_size: int
@@ -131,46 +164,58 @@ class DecodeGraphs:
         self._stream = get_device_stream(device_idx) or torch.cuda.current_stream(self._device)
         self._page_size = page_size
         self._graphs: dict[int, Any] = {}
+        # Batch sizes that replay a larger graph, padded: size -> the graph's size.
+        self.padded: dict[int, int] = {}
+        quantized = any(getattr(m, "q_handle", None) is not None for m in self._layers)
+        self._pad_rows = _QUANT_KERNEL_ROWS + 1 if quantized else None
+        rows = max(max_batch, self._pad_rows or 0)  # the static buffers' rows
         self._pool = torch.cuda.graph_pool_handle()
         # With the embedding table on the GPU (exllamav2_embedding.py) the graph starts from
         # the token ids and gathers their rows itself; else from the rows, gathered on the CPU.
         self._embed_in_graph = embedding_device(model) == str(self._device)
-        input_shape: tuple[int, ...] = (max_batch, 1)
+        input_shape: tuple[int, ...] = (rows, 1)
         input_dtype = torch.long
         if not self._embed_in_graph:
             probe = self._embedding.forward(torch.zeros((1, 1), dtype=torch.long))
-            input_shape, input_dtype = (max_batch, 1, probe.shape[-1]), probe.dtype
+            input_shape, input_dtype = (rows, 1, probe.shape[-1]), probe.dtype
         on_gpu = {"device": self._device}
         self._input = torch.zeros(input_shape, dtype=input_dtype, **on_gpu)
-        self._block_index = torch.zeros((max_batch, max_pages), dtype=torch.int32, **on_gpu)
-        self._seqlens = torch.zeros((max_batch,), dtype=torch.int32, **on_gpu)
+        self._block_index = torch.zeros((rows, max_pages), dtype=torch.int32, **on_gpu)
+        self._seqlens = torch.zeros((rows,), dtype=torch.int32, **on_gpu)
         # Staging in pinned memory, so the copies to the GPU are asynchronous; `_copied` marks
         # when the GPU has read them, before the next step may overwrite them.
         self._stage_input = torch.zeros(input_shape, dtype=input_dtype).pin_memory()
-        self._stage_block_index = torch.zeros((max_batch, max_pages), dtype=torch.int32)
+        self._stage_block_index = torch.zeros((rows, max_pages), dtype=torch.int32)
         self._stage_block_index = self._stage_block_index.pin_memory()
-        self._stage_seqlens = torch.zeros((max_batch,), dtype=torch.int32).pin_memory()
+        self._stage_seqlens = torch.zeros((rows,), dtype=torch.int32).pin_memory()
         self._copied = torch.cuda.Event()
         self._copied.record(self._stream)
         self._logits: Any = None
         self.replays = 0
+        self.padded_replays = 0
         self.capture_seconds = 0.0
 
     # -- capture ------------------------------------------------------------------------
 
     def capture(self, batch_sizes: list[int] | None = None) -> float:
-        """Capture a graph per batch size (default 1..max_batch); returns the seconds taken.
+        """Capture a graph per batch size (default 1..max_batch, and with EXL2 weights the
+        padded size), then choose which sizes replay padded; returns the seconds taken.
 
-        Call before any job runs: each size's warm-up pass writes keys and values for its
-        rows into page 0 at position 0, which no live sequence may hold yet.
+        Call before any job runs: each size's warm-up pass (and each timed replay) writes
+        keys and values for its rows into page 0 at position 0, which no live sequence may
+        hold yet.
         """
         torch = self._torch
         started = time.perf_counter()
-        sizes = sorted(batch_sizes or range(1, self.max_batch + 1), reverse=True)
+        sizes = set(batch_sizes or range(1, self.max_batch + 1))
+        if self._pad_rows is not None:
+            sizes.add(self._pad_rows)
         with torch.inference_mode(), torch.cuda.device(self._device):
             settle_gemm_tuning(self.model, self._stream)
-            for size in sizes:
+            for size in sorted(sizes, reverse=True):
                 self._capture_one(size)
+            if self._pad_rows is not None:
+                self.use_padding(choose_padding(self._replay_ms, sorted(sizes), self._pad_rows))
         torch.cuda.synchronize(self._device)
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
@@ -182,8 +227,9 @@ class DecodeGraphs:
             # Warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture.
             logits = self._step_forward(batch, params)
             if self._logits is None:
+                rows = self._input.shape[0]
                 self._logits = torch.empty(
-                    (self.max_batch, *logits.shape[1:]), dtype=logits.dtype, device=self._device
+                    (rows, *logits.shape[1:]), dtype=logits.dtype, device=self._device
                 )
             self._logits[:batch].copy_(logits)
         self._stream.synchronize()
@@ -192,6 +238,28 @@ class DecodeGraphs:
             logits = self._step_forward(batch, params)
             self._logits[:batch].copy_(logits)
         self._graphs[batch] = graph
+
+    def _replay_ms(self, size: int, replays: int = 5) -> float:
+        """The GPU time of one replay of `size`'s graph, over the static buffers as they
+        stand (every row at page 0, position 0): the mean of `replays` after one more."""
+        torch = self._torch
+        graph = self._graphs[size]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            graph.replay()
+            start.record(self._stream)
+            for _ in range(replays):
+                graph.replay()
+            end.record(self._stream)
+        end.synchronize()
+        return float(start.elapsed_time(end)) / replays
+
+    def use_padding(self, padded: dict[int, int]) -> None:
+        """Replay each size in `padded` from the larger captured graph it names."""
+        for size, rows in padded.items():
+            if rows <= size or rows not in self._graphs:
+                raise ValueError(f"a batch of {size} cannot replay padded to {rows} rows")
+        self.padded = dict(padded)
 
     def _static_params(self, batch: int) -> Any:
         torch = self._torch
@@ -242,12 +310,14 @@ class DecodeGraphs:
         self.model.__dict__.pop("forward_chunk", None)
 
     def forward_chunk(self, input_ids: Any, **kwargs: Any) -> Any:
-        graph = self._graph_for(input_ids, kwargs)
-        if graph is None:
+        rows = self._rows_for(input_ids, kwargs)
+        if rows is None:
             return self._eager(input_ids, **kwargs)
-        return self._replay(graph, input_ids, kwargs["attn_params"])
+        return self._replay(rows, input_ids, kwargs["attn_params"])
 
-    def _graph_for(self, input_ids: Any, kwargs: dict[str, Any]) -> Any:
+    def _rows_for(self, input_ids: Any, kwargs: dict[str, Any]) -> int | None:
+        """The size of the graph that replays this call (its batch, or the padded size), or
+        None when the call runs eagerly."""
         if not kwargs.keys() <= _DECODE_KWARGS or kwargs.get("cache") is not self.cache:
             return None
         if kwargs.get("loras") or kwargs.get("indexed_embeddings"):
@@ -261,9 +331,12 @@ class DecodeGraphs:
             return None
         if params.block_index.shape[1] > self.max_pages:
             return None
-        return self._graphs.get(int(input_ids.shape[0]))
+        batch = int(input_ids.shape[0])
+        if batch not in self._graphs:
+            return None
+        return self.padded.get(batch, batch)
 
-    def _replay(self, graph: Any, input_ids: Any, params: Any) -> dict[str, Any]:
+    def _replay(self, rows: int, input_ids: Any, params: Any) -> dict[str, Any]:
         batch = int(input_ids.shape[0])
         width = int(params.block_index.shape[1])
         step_input = input_ids if self._embed_in_graph else self._embedding.forward(input_ids)
@@ -273,13 +346,19 @@ class DecodeGraphs:
         if width < self.max_pages:
             self._stage_block_index[:batch, width:].zero_()
         self._stage_seqlens[:batch].copy_(params.cache_seqlens)
+        if rows > batch:
+            # The spare rows repeat the first job: the same keys and values to the same slot.
+            self._stage_input[batch:rows].copy_(self._stage_input[0])
+            self._stage_block_index[batch:rows].copy_(self._stage_block_index[0])
+            self._stage_seqlens[batch:rows].copy_(self._stage_seqlens[0])
+            self.padded_replays += 1
         self._set_streams()
         with self._torch.cuda.stream(self._stream):
-            self._input[:batch].copy_(self._stage_input[:batch], non_blocking=True)
-            self._block_index[:batch].copy_(self._stage_block_index[:batch], non_blocking=True)
-            self._seqlens[:batch].copy_(self._stage_seqlens[:batch], non_blocking=True)
+            self._input[:rows].copy_(self._stage_input[:rows], non_blocking=True)
+            self._block_index[:rows].copy_(self._stage_block_index[:rows], non_blocking=True)
+            self._seqlens[:rows].copy_(self._stage_seqlens[:rows], non_blocking=True)
             self._copied.record(self._stream)
-            graph.replay()
+            self._graphs[rows].replay()
         self.replays += 1
         return {"logits": self._logits[:batch]}
 
@@ -316,4 +395,12 @@ def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None
         max_pages,
         seconds,
     )
+    if graphs.padded:
+        log.info(
+            "CUDA graphs: batches of %d..%d jobs replay padded to %d rows (the EXL2 matmul's "
+            "dequantized path measured faster there)",
+            min(graphs.padded),
+            max(graphs.padded),
+            max(graphs.padded.values()),
+        )
     return graphs

@@ -1,0 +1,43 @@
+"""Which decode batches replay the larger EXL2 graph, padded: the sizes where it measured
+faster, from the largest down, and no timing spent below the first that is not."""
+
+from __future__ import annotations
+
+from worker.engines.exllamav2_graphs import _PAD_GAIN, choose_padding
+
+PAD = 33
+
+
+def _kernel_costs() -> dict[int, float]:
+    """An EXL2-like cost: the quantized kernel grows with the rows, the padded graph is flat."""
+    costs = {size: 4.0 + 0.75 * size for size in range(1, PAD)}  # 19.0 ms at 20 rows
+    costs[PAD] = 19.0
+    return costs
+
+
+def test_sizes_whose_padded_replay_is_faster_take_it_and_timing_stops_below_them() -> None:
+    costs = _kernel_costs()
+    asked: list[int] = []
+
+    def replay_ms(size: int) -> float:
+        asked.append(size)
+        return costs[size]
+
+    chosen = choose_padding(replay_ms, sorted(costs), PAD)
+    faster = {s for s in range(1, PAD) if costs[PAD] < _PAD_GAIN * costs[s]}
+    assert faster == set(range(22, PAD))  # 19.0 < 0.95 * (4 + 0.75 s) from 22 rows
+    assert chosen == {size: PAD for size in faster}
+    # The padded graph once, then 32 down to the first size that stays unpadded (21).
+    assert asked == [PAD, *range(PAD - 1, 20, -1)]
+
+
+def test_nothing_is_padded_when_the_largest_small_batch_is_as_fast() -> None:
+    costs = _kernel_costs()
+    costs[PAD - 1] = costs[PAD]  # 32 rows as fast as 33: no gain, so none below either
+    assert choose_padding(costs.__getitem__, sorted(costs), PAD) == {}
+
+
+def test_nothing_is_padded_without_a_padded_graph() -> None:
+    costs = _kernel_costs()
+    del costs[PAD]
+    assert choose_padding(costs.__getitem__, sorted(costs), PAD) == {}
