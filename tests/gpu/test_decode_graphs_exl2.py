@@ -64,11 +64,11 @@ def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
 
 
 def test_exl2_graph_replay_matches_the_eager_forward_pass(exl2_model_dir: Path) -> None:
-    from worker.engines.exllamav2_graphs import graphs_unsupported_reason
+    from worker.engines.exllamav2_graphs import graphs_unsupported_reason, has_quantized_layers
 
     loaded = _load(exl2_model_dir, decode_graphs=True)
     try:
-        assert any(getattr(m, "q_handle", None) is not None for m in loaded.model.modules)
+        assert has_quantized_layers(loaded.model)
         assert graphs_unsupported_reason(loaded.model, loaded.cache) is None
         graphs, worst = compare_replay_with_eager(loaded.generator, _generate, JOBS, NEW_TOKENS)
         print(

@@ -3,7 +3,7 @@ faster, from the largest down, and no timing spent below the first that is not."
 
 from __future__ import annotations
 
-from worker.engines.exllamav2_graphs import _PAD_GAIN, choose_padding
+from worker.engines.exllamav2_graphs import _PAD_GAIN, choose_padding, has_quantized_layers
 
 PAD = 33
 
@@ -41,3 +41,20 @@ def test_nothing_is_padded_without_a_padded_graph() -> None:
     costs = _kernel_costs()
     del costs[PAD]
     assert choose_padding(costs.__getitem__, sorted(costs), PAD) == {}
+
+
+class _Module:
+    def __init__(self, q_handle: object = None) -> None:
+        self.q_handle = q_handle
+
+
+class _Model:
+    def __init__(self, *modules: _Module) -> None:
+        self.modules = list(modules)
+
+
+def test_only_models_with_quantized_layers_get_a_padded_graph() -> None:
+    """The padded graph is captured for EXL2 layers; the embedding (module 0) never counts."""
+    assert has_quantized_layers(_Model(_Module(), _Module(q_handle=1), _Module()))
+    assert not has_quantized_layers(_Model(_Module(), _Module(), _Module()))
+    assert not has_quantized_layers(_Model(_Module(q_handle=1), _Module()))

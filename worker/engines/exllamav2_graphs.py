@@ -66,6 +66,11 @@ class GraphsUnsupported(ValueError):
     """Decode graphs cannot serve this model; the message says why."""
 
 
+def has_quantized_layers(model: Any) -> bool:
+    """Whether any layer after the embedding holds quantized (EXL2) weights."""
+    return any(getattr(m, "q_handle", None) is not None for m in model.modules[1:])
+
+
 def graphs_unsupported_reason(model: Any, cache: Any) -> str | None:
     """Why decode graphs cannot serve this model and cache, or None when they can."""
     installed = installed_exllamav2()
@@ -77,14 +82,12 @@ def graphs_unsupported_reason(model: Any, cache: Any) -> str | None:
         return f"the cache is {type(cache).__name__}, not the fp16 ExLlamaV2Cache"
     if getattr(model, "tp_context", None) is not None:
         return "the model is split by tensor parallelism"
-    layers = model.modules[1:]
-    quantized = any(getattr(m, "q_handle", None) is not None for m in layers)
-    if quantized and not model.config.no_graphs:
+    if has_quantized_layers(model) and not model.config.no_graphs:
         return (
             "the weights are quantized and were loaded with exllamav2's own module graphs on "
             "(load_generator(decode_graphs=True) turns them off)"
         )
-    devices = {m.device_idx for m in layers}
+    devices = {m.device_idx for m in model.modules[1:]}
     if len(devices) != 1 or devices == {None} or -1 in devices:
         return f"the layers sit on more than one device ({sorted(map(str, devices))})"
     return None
@@ -166,8 +169,7 @@ class DecodeGraphs:
         self._graphs: dict[int, Any] = {}
         # Batch sizes that replay a larger graph, padded: size -> the graph's size.
         self.padded: dict[int, int] = {}
-        quantized = any(getattr(m, "q_handle", None) is not None for m in self._layers)
-        self._pad_rows = _QUANT_KERNEL_ROWS + 1 if quantized else None
+        self._pad_rows = _QUANT_KERNEL_ROWS + 1 if has_quantized_layers(model) else None
         rows = max(max_batch, self._pad_rows or 0)  # the static buffers' rows
         self._pool = torch.cuda.graph_pool_handle()
         # With the embedding table on the GPU (exllamav2_embedding.py) the graph starts from
