@@ -3,7 +3,14 @@ faster, from the largest down, and no timing spent below the first that is not."
 
 from __future__ import annotations
 
-from worker.engines.exllamav2_graphs import _PAD_GAIN, choose_padding, has_quantized_layers
+import pytest
+
+from worker.engines.exllamav2_graphs import (
+    _PAD_GAIN,
+    DecodeGraphs,
+    choose_padding,
+    has_quantized_layers,
+)
 
 PAD = 33
 
@@ -58,3 +65,22 @@ def test_only_models_with_quantized_layers_get_a_padded_graph() -> None:
     assert has_quantized_layers(_Model(_Module(), _Module(q_handle=1), _Module()))
     assert not has_quantized_layers(_Model(_Module(), _Module(), _Module()))
     assert not has_quantized_layers(_Model(_Module(q_handle=1), _Module()))
+
+
+def _captured(*sizes: int) -> DecodeGraphs:
+    """Graphs of these sizes, as far as use_padding looks (no GPU: nothing is replayed)."""
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._graphs = {size: object() for size in sizes}
+    graphs.padded = {}
+    return graphs
+
+
+def test_padding_is_refused_onto_a_graph_not_captured_or_not_larger() -> None:
+    graphs = _captured(*range(1, PAD + 1))
+    graphs.use_padding({20: PAD, 32: PAD})
+    assert graphs.padded == {20: PAD, 32: PAD}
+    for bad in ({20: PAD + 1}, {PAD: PAD}, {32: 20}):
+        with pytest.raises(ValueError, match="cannot replay padded"):
+            graphs.use_padding({24: PAD, **bad})
+        # A refused choice changes nothing: no size replays from a graph that is not there.
+        assert graphs.padded == {20: PAD, 32: PAD}
