@@ -54,11 +54,15 @@ def children(pid: int) -> list[int]:
     """The process's direct children (the worker's engine process)."""
     found: list[int] = []
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # the process is gone
+        return found
+    for tid in tids:
+        try:
             text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
-            found += [int(c) for c in text.split()]
-    except OSError:
-        pass
+        except OSError:  # that thread ended meanwhile; its siblings still count
+            continue
+        found += [int(c) for c in text.split()]
     return found
 
 

@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -62,13 +63,21 @@ def test_a_process_that_is_gone_or_no_steps_gives_nothing() -> None:
     assert thread_clock.busiest({}).run_ns == 0
 
 
+def _signal_then_wait(ready: Any, stop: Any) -> None:
+    ready.set()
+    stop.wait()
+
+
 def test_the_spawned_child_is_found_and_the_resource_tracker_is_not() -> None:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    stop = context.Event()
-    child = context.Process(target=stop.wait)
+    ready, stop = context.Event(), context.Event()
+    child = context.Process(target=_signal_then_wait, args=(ready, stop))
     child.start()
+    # Until the child has exec'd Python its cmdline is still this process's: wait for it to
+    # run its target, as the worker's engine process has long done when the bench looks.
+    assert ready.wait(30)
     try:
         # Event() started a resource tracker too: a child of this process as well.
         assert thread_clock.spawned_child(os.getpid()) == child.pid
