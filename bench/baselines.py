@@ -439,9 +439,9 @@ def bench_exllamav2_dynamic(
     attn_patch, if given, runs after exllamav2 is imported and before anything is built (e.g. to
     install a flash_attn_with_kvcache stand-in, so that paged mode works without flash-attn).
     exlq_decode runs the generator as exlq's engine does (its GPU sampling, CUDA graphs for
-    batch sizes up to N, batched prefill of prefill_batch_tokens, its admission budget of
-    admit_prompt_tokens, the embedding table on the GPU with gpu_embedding), without the
-    queue around it.
+    1..max_batch_size jobs as the worker captures up to its capacity, batched prefill of
+    prefill_batch_tokens, its admission budget of admit_prompt_tokens, the embedding table
+    on the GPU with gpu_embedding), without the queue around it.
     """
     importlib.import_module("exllamav2.generator")  # attn_patch runs after exllamav2 loads
     if attn_patch is not None:
@@ -468,17 +468,15 @@ def bench_exllamav2_dynamic(
         )
         generator = loaded.generator
         load_s = time.perf_counter() - t_load
-        graphs_for = concurrency if exlq_decode else None
         if warmup:
             # Readied as the worker's engine readies it (graphs with exlq_decode), then
             # short jobs on other prompts.
-            importlib.import_module("worker.engines.exllamav2_load").warm_up(generator, graphs_for)
+            importlib.import_module("worker.engines.exllamav2_load").warm_up(loaded)
             warm_up_jobs(
                 generator, random_prompt_ids(model_dir, concurrency, prompt_tokens, seed + 1000)
             )
-        elif graphs_for:  # a cold start still decodes from graphs, as the engine would
-            graphs = importlib.import_module("worker.engines.exllamav2_graphs")
-            graphs.install_decode_graphs(generator, graphs_for)
+        else:  # a cold start still decodes from graphs (exlq_decode), as the engine would
+            loaded.capture_graphs()
         out = run_dynamic(
             generator,
             model_dir,

@@ -79,9 +79,7 @@ class EngineAlone:
         )
         self.generator = self.loaded.generator
         # Readied as the worker's engine readies it.
-        importlib.import_module("worker.engines.exllamav2_load").warm_up(
-            self.generator, max_batch_size
-        )
+        importlib.import_module("worker.engines.exllamav2_load").warm_up(self.loaded)
 
     def run(
         self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int

@@ -38,7 +38,7 @@ def build(
         decode_graphs=graphs,
     )
     generator = loaded.generator
-    decode_graphs = warm_up(generator, jobs if graphs else None).graphs
+    decode_graphs = warm_up(loaded).graphs
     if graphs:
         assert decode_graphs is not None
         print(f"CUDA graphs for 1..{jobs} jobs captured in {decode_graphs.capture_seconds:.1f} s")

@@ -34,13 +34,14 @@ def model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
-    """make_generator(exlq=False, max_batch=8, prefill_batch_tokens=0, admit_prompt_tokens=0,
-    gpu_embedding=False): a paged generator on exlq's attention over a fresh load of the test
-    model (exlq=True: exlq's subclass with GPU sampling; prefill_batch_tokens > 0: with
-    batched prefill; admit_prompt_tokens > 0: with that budget of prompt tokens for the jobs
-    a step starts; gpu_embedding: the embedding table on the GPU); unloaded after the test.
-    The model is `generator.model`."""
+def make_loaded(model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """make_loaded(exlq=False, max_batch=8, prefill_batch_tokens=0, admit_prompt_tokens=0,
+    gpu_embedding=False, decode_graphs=False): a fresh load of the test model, as
+    load_generator returns it, with a paged generator on exlq's attention (exlq=True: exlq's
+    subclass with GPU sampling; prefill_batch_tokens > 0: with batched prefill;
+    admit_prompt_tokens > 0: with that budget of prompt tokens for the jobs a step starts;
+    gpu_embedding: the embedding table on the GPU; decode_graphs: warm_up captures the
+    decode step); unloaded after the test."""
     from worker.engines.exllamav2_attention import install_attention
     from worker.engines.exllamav2_load import LoadedGenerator, load_generator
 
@@ -52,7 +53,8 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
         prefill_batch_tokens: int = 0,
         admit_prompt_tokens: int = 0,
         gpu_embedding: bool = False,
-    ) -> Any:
+        decode_graphs: bool = False,
+    ) -> LoadedGenerator:
         install_attention("exlq")
         loaded = load_generator(
             model_dir,
@@ -62,11 +64,19 @@ def make_generator(model_dir: Path) -> Iterator[Callable[..., Any]]:
             prefill_batch_tokens=prefill_batch_tokens,
             admit_prompt_tokens=admit_prompt_tokens,
             gpu_embedding=gpu_embedding,
+            decode_graphs=decode_graphs,
         )
         assert loaded.gpu_embedding == gpu_embedding
         loads.append(loaded)
-        return loaded.generator
+        return loaded
 
     yield make
     for loaded in loads:
         loaded.unload()
+
+
+@pytest.fixture
+def make_generator(make_loaded: Callable[..., Any]) -> Callable[..., Any]:
+    """make_generator(**options): the generator of make_loaded(**options); the model is
+    `generator.model`."""
+    return lambda **options: make_loaded(**options).generator

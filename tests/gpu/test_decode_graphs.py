@@ -45,6 +45,23 @@ def test_graph_replay_matches_the_eager_forward_pass(
     )
 
 
+def test_warm_up_captures_the_decode_step_only_where_the_load_asked(make_loaded: Any) -> None:
+    """One flag, load_generator's decode_graphs, decides both how the model is loaded and
+    whether warm_up captures its decode step, for 1..max_batch_size jobs."""
+    from worker.engines.exllamav2_load import warm_up
+
+    plain = make_loaded(max_batch=4)
+    assert warm_up(plain).graphs is None
+    assert "forward_chunk" not in plain.model.__dict__  # exllamav2's own forward pass
+
+    captured = make_loaded(max_batch=4, decode_graphs=True)
+    graphs = warm_up(captured).graphs
+    assert graphs is not None
+    assert sorted(graphs._graphs) == [1, 2, 3, 4]
+    assert captured.model.__dict__["forward_chunk"] == graphs.forward_chunk
+    graphs.uninstall()
+
+
 def test_generator_still_makes_the_decode_call_the_graphs_replace(cuda: None) -> None:
     """Fails loudly if exllamav2 changes the forward_chunk call that graphs stand in for."""
     from exllamav2.attn import ExLlamaV2Attention

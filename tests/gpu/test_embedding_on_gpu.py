@@ -72,17 +72,22 @@ def test_the_model_computes_the_same_logits_with_the_table_on_the_gpu(
 
 
 def test_exlq_generator_makes_the_same_tokens_with_the_table_on_the_gpu(
-    make_generator: Any,
+    make_loaded: Any,
 ) -> None:
     """Batched prefill, GPU sampling and decode graphs, with the table on either side."""
     from worker.engines.exllamav2_load import warm_up
 
     runs = {}
     for gpu_embedding in (False, True):
-        generator = make_generator(
-            exlq=True, max_batch=4, prefill_batch_tokens=1024, gpu_embedding=gpu_embedding
+        loaded = make_loaded(
+            exlq=True,
+            max_batch=4,
+            prefill_batch_tokens=1024,
+            gpu_embedding=gpu_embedding,
+            decode_graphs=True,
         )
-        graphs = warm_up(generator, 4).graphs
+        generator = loaded.generator
+        graphs = warm_up(loaded).graphs
         assert graphs is not None
         runs[gpu_embedding] = _greedy(generator)
         assert graphs.replays >= NEW_TOKENS - 1

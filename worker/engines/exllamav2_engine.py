@@ -123,7 +123,7 @@ class ExLlamaV2Engine(Engine):
         self.tokenizer = self.loaded.tokenizer
         self.generator = self.loaded.generator
         cache_tokens = self.loaded.cache_tokens
-        warmed = warm_up(self.generator, self.capacity if settings.cuda_graphs else None)
+        warmed = warm_up(self.loaded)
         if warmed.prefill_seconds is not None:
             log.info("prefill kernels compiled in %.1f s", warmed.prefill_seconds)
         self.graphs: DecodeGraphs | None = warmed.graphs

@@ -30,6 +30,17 @@ class LoadedGenerator:
     generator: Any  # ExLlamaV2DynamicGenerator or ExlqDynamicGenerator
     cache_tokens: int  # what the cache holds, in whole pages
     gpu_embedding: bool  # the embedding table sits on the GPU
+    # The decode step is to be captured whole (load_generator's decode_graphs): the model
+    # was loaded for it, and warm_up captures it.
+    decode_graphs: bool
+
+    def capture_graphs(self) -> DecodeGraphs | None:
+        """Capture and install the decode step's CUDA graphs for 1..max_batch_size jobs,
+        where the load asked for them; None where it did not, or the model cannot have them
+        (the log says why)."""
+        if not self.decode_graphs:
+            return None
+        return install_decode_graphs(self.generator, self.generator.max_batch_size)
 
     def unload(self) -> None:
         """Stop the generator's thread pools and free the model's GPU memory."""
@@ -60,9 +71,9 @@ def load_generator(
     ``admit_prompt_tokens`` > 0: the jobs one step starts hold at most that many prompt
     tokens together (exlq's generator). ``gpu_embedding``: the embedding table moves to the
     GPU where there is room (exllamav2_embedding.py); else it stays in system memory, as
-    exllamav2 loads it. ``decode_graphs``: the decode step will be captured whole
-    (warm_up's graphs_for), so quantized modules are loaded without exllamav2's own graphs,
-    which a capture cannot hold; fp16 modules have none either way.
+    exllamav2 loads it. ``decode_graphs``: warm_up captures the decode step whole, so
+    quantized modules are loaded without exllamav2's own graphs, which a capture cannot
+    hold; fp16 modules have none either way. One flag, here, decides both.
     """
     from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 
@@ -92,7 +103,9 @@ def load_generator(
         max_sampling_threads=sampling_threads,
         **options,
     )
-    return LoadedGenerator(model, cache, tokenizer, generator, cache_tokens, embedding_on_gpu)
+    return LoadedGenerator(
+        model, cache, tokenizer, generator, cache_tokens, embedding_on_gpu, decode_graphs
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +114,11 @@ class WarmedUp:
     prefill_seconds: float | None  # compiling the batched prefill's kernels; None: no batching
 
 
-def warm_up(generator: Any, graphs_for: int | None) -> WarmedUp:
+def warm_up(loaded: LoadedGenerator) -> WarmedUp:
     """What the worker's engine does before it takes a job: exllamav2's warm-up, compiling
     the batched prefill's kernels (exlq's generator), then capturing the decode step's CUDA
-    graphs for 1..graphs_for jobs (None: no graphs)."""
+    graphs for 1..max_batch_size jobs where the load asked for them (decode_graphs)."""
+    generator = loaded.generator
     generator.warmup()
     prefill_seconds = generator.warm_up_prefill() if hasattr(generator, "warm_up_prefill") else None
-    graphs = install_decode_graphs(generator, graphs_for) if graphs_for else None
-    return WarmedUp(graphs, prefill_seconds)
+    return WarmedUp(loaded.capture_graphs(), prefill_seconds)
