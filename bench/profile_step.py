@@ -37,14 +37,13 @@ def build(
         sampling_threads=threads,
         decode_graphs=graphs,
     )
-    generator = loaded.generator
     decode_graphs = warm_up(loaded).graphs
     if graphs:
         assert decode_graphs is not None
         print(f"CUDA graphs for 1..{jobs} jobs captured in {decode_graphs.capture_seconds:.1f} s")
         if decode_graphs.padded:
             print(f"batches of {sorted(decode_graphs.padded)} jobs replay padded")
-    return loaded, generator, decode_graphs
+    return loaded, decode_graphs
 
 
 def fill(
@@ -70,35 +69,40 @@ def fill(
         generator.iterate()
 
 
+def timed_steps(generator: Any, steps: int) -> list[float]:
+    """Wall time of each of `steps` iterations, ms, the GPU idle before and after each."""
+    import torch
+
+    walls = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        generator.iterate()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - started) * 1000)
+    return walls
+
+
 def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    loaded, generator, graphs = build(
+    loaded, graphs = build(
         model_dir, jobs, args.cache_tokens, args.chunk, args.sampling_threads, args.graphs,
         args.gpu_sampling,
     )  # fmt: skip
+    generator = loaded.generator
     fill(generator, model_dir, jobs, args.prompt_tokens, args.max_new_tokens)
-
-    def timed_steps(stepped: Any) -> list[float]:
-        walls = []
-        for _ in range(args.steps):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            stepped.iterate()
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - started) * 1000)
-        return walls
-
-    walls = timed_steps(generator)
+    walls = timed_steps(generator, args.steps)
     padding: dict[str, list[float]] = {}
     if graphs is not None and jobs in graphs.padded:
         # The same jobs stepped unpadded and padded in turn (EXL2 weights).
         chosen = graphs.padded
+        padding = {"unpadded": [], "padded": []}
         for _ in range(2):
             graphs.use_padding({})
-            padding.setdefault("unpadded", []).append(statistics.median(timed_steps(generator)))
+            padding["unpadded"].append(statistics.median(timed_steps(generator, args.steps)))
             graphs.use_padding(chosen)
-            padding.setdefault("padded", []).append(statistics.median(timed_steps(generator)))
+            padding["padded"].append(statistics.median(timed_steps(generator, args.steps)))
     if not args.profile:
         generator.clear_queue()
         loaded.unload()

@@ -75,16 +75,10 @@ def compare_replay_with_eager(
     (`after_capture` may set them up further); assert that the decode steps replayed and
     computed the same (assert_same_greedy). Returns the graphs and the largest logit
     difference."""
-    from worker.engines.exllamav2_graphs import DecodeGraphs
+    from worker.engines.exllamav2_graphs import decode_graphs_for
 
     eager = generate(generator)
-    graphs = DecodeGraphs(
-        generator.model,
-        generator.cache,
-        max_batch=max_batch,
-        max_pages=-(-generator.max_seq_len // generator.page_size),
-        page_size=generator.page_size,
-    )
+    graphs = decode_graphs_for(generator, max_batch)
     graphs.capture()
     if after_capture is not None:
         after_capture(graphs)

@@ -33,6 +33,7 @@ class _Graphs:
         self, model: Any, cache: Any, max_batch: int, max_pages: int, page_size: int
     ) -> None:
         assert (max_batch, max_pages, page_size) == (4, 32, 256)
+        self.max_pages = max_pages
 
     def capture(self) -> float:
         if self.fail:

@@ -365,16 +365,21 @@ class DecodeGraphs:
         return {"logits": self._logits[:batch]}
 
 
+def decode_graphs_for(generator: Any, max_batch: int) -> DecodeGraphs:
+    """DecodeGraphs, not yet captured, for a paged generator's model and cache: up to
+    `max_batch` jobs, block tables as wide as its longest sequence. GraphsUnsupported if
+    the model cannot be captured."""
+    max_pages = -(-generator.max_seq_len // generator.page_size)
+    return DecodeGraphs(generator.model, generator.cache, max_batch, max_pages, generator.page_size)
+
+
 def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None:
     """Capture decode graphs for `generator`'s model, or say in the log why not."""
     if not generator.paged:
         log.info("CUDA graphs off: the generator is not in paged mode")
         return None
-    max_pages = -(-generator.max_seq_len // generator.page_size)
     try:
-        graphs = DecodeGraphs(
-            generator.model, generator.cache, max_batch, max_pages, generator.page_size
-        )
+        graphs = decode_graphs_for(generator, max_batch)
     except GraphsUnsupported as exc:
         log.info("CUDA graphs off: %s", exc)
         return None
@@ -394,7 +399,7 @@ def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None
     log.info(
         "CUDA graphs on: decode captured for batch sizes 1..%d (block table %d pages) in %.1f s",
         max_batch,
-        max_pages,
+        graphs.max_pages,
         seconds,
     )
     if graphs.padded:
