@@ -31,7 +31,6 @@ pass is always written, and it carries no mark.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from producer.batch_script import per_job_script, reply_pairs
+from producer.eager_task import EAGER_START, eager_task
 from producer.keys import QueueKeys
 from producer.subscriber import EventRouter
 
@@ -82,7 +82,7 @@ end""",
 
 
 # Whether a full piece goes out at once (an eager task) or with the end of the loop pass.
-EAGER_SEND = sys.version_info >= (3, 12)
+EAGER_SEND = EAGER_START
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +150,10 @@ class SubmitBatcher:
             await asyncio.gather(*self._flushes, return_exceptions=True)
 
     def _spawn(self, send: Coroutine[None, None, None], eager: bool) -> None:
-        if eager and sys.version_info >= (3, 12):
+        if eager:
             # Runs now, up to its first real wait: the piece is written before submit()
             # returns to the rest of the burst.
-            loop = asyncio.get_running_loop()
-            task = asyncio.Task(send, loop=loop, name="exlq-submit-piece", eager_start=True)
+            task = eager_task(send, name="exlq-submit-piece")
         else:
             task = asyncio.create_task(send, name="exlq-submit-batch")
         self._flushes.add(task)

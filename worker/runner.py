@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from producer.backoff import REDIS_BACKOFF, reconnect_delay_s
+from producer.eager_task import EAGER_START, eager_task
 from producer.keys import check_name
 from producer.protocol import (
     ErrorEvent,
@@ -194,10 +195,11 @@ class Worker:
         # parses the rest and runs the start script (offer_round.py). A job this worker
         # holds is not offered: the engine runs it under that id already.
         offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
-        self._take_in(entries, batch, decoded, offers)
         try:
             if entries[-1].more:
                 await self._gather_burst(entries, batch, decoded, offers)
+            else:
+                self._take_in(entries, batch, decoded, offers)
             offers.flush()
             admitted = await self._start_piece(batch, decoded)
         except BaseException:
@@ -236,28 +238,50 @@ class Worker:
         decoded: list[tuple[StreamEntry, GenerationRequest]],
         offers: OfferRound,
     ) -> None:
-        """The piece's last entry says more of its burst follows: read the rest into the
-        piece, up to its full size and the free slots, for at most burst_wait_ms. The engine
-        readies the jobs offered so far meanwhile. A full piece (a read's earlier pieces are
-        full) reads nothing; reclaimed entries carry no mark. A read that fails, or a stop,
-        ends the wait: the jobs taken still run, and the next read meets the error."""
+        """The piece's last entry says more of its burst follows: take it in, and read the
+        rest into the piece, up to its full size and the free slots, for at most
+        burst_wait_ms. Each read goes out before the worker parses what the last one
+        brought, so Redis answers while the worker parses, and the engine readies the jobs
+        offered so far meanwhile. A full piece (a read's earlier pieces are full) reads
+        nothing; reclaimed entries carry no mark. A read that fails, or a stop, ends the
+        wait: the jobs taken still run, and the next read meets the error. Every read sent
+        is awaited and its entries taken in, so none is left in this worker's pending
+        list unseen."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.burst_wait_ms / 1000
-        taken, more = len(piece), True
-        while more and not self.stop_reading.is_set():
-            room = min(ACCEPT_PIECE, self.free_slots) - taken
-            wait_ms = int((deadline - loop.time()) * 1000)
-            if room <= 0 or wait_ms < 1:  # BLOCK 0 would wait for ever
-                return
-            offers.flush()
-            try:
-                rest = await self.broker.read(room, wait_ms)
-            except RedisError:
-                return
-            if not rest:
-                return
-            taken, more = taken + len(rest), rest[-1].more
-            self._take_in(rest, batch, decoded, offers)
+        taken, rest = len(piece), piece
+        read = await self._read_ahead(taken, deadline)
+        try:
+            while True:
+                self._take_in(rest, batch, decoded, offers)
+                if read is None:
+                    return
+                offers.flush()
+                try:
+                    rest = await read
+                except RedisError:
+                    return
+                if not rest:
+                    return
+                taken += len(rest)
+                read = await self._read_ahead(taken, deadline) if rest[-1].more else None
+        finally:
+            if read is not None and not read.done():  # cancelled, or a parse failed
+                read.cancel()
+
+    async def _read_ahead(
+        self, taken: int, deadline: float
+    ) -> asyncio.Task[list[StreamEntry]] | None:
+        """Send the read for the rest of a burst of which ``taken`` entries are in hand;
+        None when the piece is full, the wait is over or the worker stops reading."""
+        room = min(ACCEPT_PIECE, self.free_slots) - taken
+        wait_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
+        if room <= 0 or wait_ms < 1 or self.stop_reading.is_set():  # BLOCK 0: for ever
+            return None
+        read = eager_task(self.broker.read(room, wait_ms), name="exlq-burst-read")
+        if not EAGER_START:
+            await asyncio.sleep(0)  # one pass of the loop sends it
+        return read
 
     async def _start_piece(
         self, batch: Batch, decoded: list[tuple[StreamEntry, GenerationRequest]]

@@ -309,3 +309,60 @@ async def test_a_burst_whose_rest_never_comes_runs_after_the_burst_wait(
     assert result.state == "done"
     assert time.monotonic() - began >= 0.3
     assert next(n for n in engine.jobs_per_step if n) == 1
+
+
+async def test_the_read_for_a_bursts_rest_goes_out_before_the_worker_parses_what_it_has(
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each read of a burst that says more follows is sent before the worker parses the
+    entries the last read brought: Redis answers while the worker parses. The rest, which
+    lands while that read waits, still joins the same engine step, and every entry runs
+    once."""
+    from worker.runner import Worker
+
+    keys = QueueKeys(queue_name)
+    log: list[str] = []
+    real_read, real_decode = Broker.read, Worker._decode
+
+    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+        log.append("read sent")
+        entries = await real_read(self, count, block_ms)
+        log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in entries)
+        return entries
+
+    def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
+        request = real_decode(self, entry)
+        log.append(f"parse {request.id}")
+        return request
+
+    monkeypatch.setattr(Broker, "read", read)
+    monkeypatch.setattr(Worker, "_decode", decode)
+    engine = CountingEngine(capacity=16)
+    await start_worker(engine=engine, max_batch_size=16, burst_wait_ms=5000)
+    await _xadd(redis_client, keys, "p-0", more=True)
+    async with asyncio.timeout(10):
+        while "parse p-0" not in log:
+            await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)  # the read for the rest is out, and blocked
+    await _xadd(redis_client, keys, "p-1", more=True)
+    await _xadd(redis_client, keys, "p-2", more=False)
+    results = await _results(redis_client, keys, ["p-0", "p-1", "p-2"])
+    assert [r.state for r in results] == ["done"] * 3
+    assert next(n for n in engine.jobs_per_step if n) == 3
+    # p-0's read returned; the next read went out before p-0 was parsed. p-1 came alone
+    # or with p-2; after a read that ends on p-1's mark, the next went out before p-1's
+    # parse.
+    first = log.index("read p-0")
+    assert log[first + 1 : first + 3] == ["read sent", "parse p-0"]
+    if "read p-2" != log[log.index("read p-1") + 1]:
+        after_p1 = log[log.index("read p-1") + 1 :]
+        assert after_p1[:2] == ["read sent", "parse p-1"]
+    assert [line for line in log if line.startswith("parse")] == [
+        "parse p-0",
+        "parse p-1",
+        "parse p-2",
+    ]
