@@ -1,6 +1,7 @@
 """Held-output buffers on demand (worker/engines/exllamav2_job_buffers.py): exllamav2 makes
-them where the hook expects, a job that never writes one never allocates it, and what jobs
-hold back and return is the same as with exllamav2's own buffers."""
+them where the hook expects, a job that never writes one never allocates it, a job's two
+buffers of prompt ids are made as exllamav2 makes them, and what jobs hold back and return
+is the same as with exllamav2's own buffers."""
 
 from __future__ import annotations
 
@@ -59,6 +60,63 @@ def test_an_on_demand_buffer_has_seq_tensors_shape_and_grows_as_it_does(
         buffer.append(data)
         buffer.append(data[:1] if seq_dim == 0 else data.narrow(seq_dim, 0, 7))
     assert lazy.seq_cap == stock.seq_cap and torch.equal(lazy.torch(), stock.torch())
+
+
+def test_exllamav2_builds_a_jobs_two_id_buffers_through_the_name_the_hook_replaces(
+    cuda: None,
+) -> None:
+    """Fails loudly if exllamav2 0.3.2's job constructor stops making its input ids and
+    sequence ids with SeqTensor.from_tensor, which OnDemandSeqTensor makes in one step."""
+    import exllamav2.generator.dynamic as dynamic
+    from exllamav2.generator import ExLlamaV2DynamicJob
+
+    module = inspect.getsource(dynamic)
+    made = re.findall(r"(\w+) = SeqTensor\.from_tensor\(", module)
+    assert sorted(made) == ["input_ids", "sequence_ids"]
+    constructor = inspect.getsource(ExLlamaV2DynamicJob.__init__)
+    assert constructor.count("SeqTensor.from_tensor(") == 2
+
+
+@pytest.mark.parametrize(
+    ("shape", "seq_dim", "dtype"),
+    [
+        ((1, 1), -1, "long"),
+        ((1, 255), -1, "long"),
+        ((1, 256), -1, "long"),
+        ((1, 300), -1, "long"),
+        ((2, 10, 3), 1, "float"),
+    ],
+)
+def test_a_seq_tensor_from_ids_is_as_exllamav2_makes_it_and_grows_as_it_does(
+    cuda: None, shape: tuple[int, ...], seq_dim: int, dtype: str
+) -> None:
+    import torch
+    from exllamav2.util import SeqTensor
+
+    from worker.engines.exllamav2_job_buffers import OnDemandSeqTensor
+
+    data = (torch.randint(0, 32_000, shape) if dtype == "long" else torch.randn(shape)).to(
+        getattr(torch, dtype)
+    )
+    stock = SeqTensor.from_tensor(data, seq_dim=seq_dim)
+    made = OnDemandSeqTensor.from_tensor(data, seq_dim=seq_dim)
+    assert type(made) is SeqTensor  # a plain SeqTensor, its buffer made now
+    assert (made.seq_dim, made.seq_len, made.seq_cap) == (
+        stock.seq_dim,
+        stock.seq_len,
+        stock.seq_cap,
+    )
+    assert made.tensor.shape == stock.tensor.shape and made.tensor.dtype == stock.tensor.dtype
+    assert made.tensor.is_contiguous() and made.tensor.data_ptr() != data.data_ptr()
+    assert torch.equal(made.torch(), data) and torch.equal(made.torch(), stock.torch())
+    rows = list(shape)
+    rows[seq_dim] = 600  # past the capacity: both grow
+    more = torch.ones(rows, dtype=data.dtype)
+    for buffer in (stock, made):
+        buffer.append(more)
+        buffer.truncate(buffer.seq_len - 5)
+        buffer.append(more.narrow(seq_dim, 0, 7))
+    assert made.seq_cap == stock.seq_cap and torch.equal(made.torch(), stock.torch())
 
 
 def _held_output(generator: Any) -> tuple[list[Any], list[Any]]:

@@ -358,7 +358,7 @@ async def test_the_read_for_a_bursts_rest_goes_out_before_the_worker_parses_what
     # parse.
     first = log.index("read p-0")
     assert log[first + 1 : first + 3] == ["read sent", "parse p-0"]
-    if "read p-2" != log[log.index("read p-1") + 1]:
+    if log[log.index("read p-1") + 1] != "read p-2":
         after_p1 = log[log.index("read p-1") + 1 :]
         assert after_p1[:2] == ["read sent", "parse p-1"]
     assert [line for line in log if line.startswith("parse")] == [
