@@ -246,9 +246,7 @@ class ExLlamaV2Engine(Engine):
         if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
             stops.append(self.tokenizer.eos_token_id)
         job = ExLlamaV2DynamicJob(
-            # A list of one prompt is what the constructor makes of a tensor, after it has
-            # iterated the tensor's rows to check their device (12 µs a job).
-            input_ids=[checked.input_ids],
+            input_ids=checked.input_ids,
             max_new_tokens=request.max_new_tokens,
             gen_settings=self._sampler(request),
             seed=(
