@@ -9,7 +9,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -49,14 +48,6 @@ ACCEPT_PIECE = PIECE_JOBS
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
-
-
-@dataclass(slots=True)
-class _StartingPart:
-    """The parsed jobs of one read, and their start script in flight."""
-
-    decoded: list[tuple[StreamEntry, GenerationRequest]]
-    decisions: asyncio.Task[list[StartDecision]]
 
 
 class Worker:
@@ -199,48 +190,26 @@ class Worker:
 
     async def _accept_piece(self, entries: list[StreamEntry]) -> None:
         batch = Batch()
+        decoded: list[tuple[StreamEntry, GenerationRequest]] = []
         # With --offer-before-start the engine readies the piece's jobs while the worker
         # parses the rest and runs the start script (offer_round.py). A job this worker
         # holds is not offered: the engine runs it under that id already.
         offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
-        starts: list[_StartingPart] = []
         try:
             if entries[-1].more:
-                await self._gather_burst(entries, batch, offers, starts)
+                await self._gather_burst(entries, batch, decoded, offers)
             else:
-                self._take_part(entries, batch, offers, starts)
-            admitted, failed = await self._started(batch, starts)
+                self._take_in(entries, batch, decoded, offers)
+            offers.flush()
+            admitted = await self._start_piece(batch, decoded)
         except BaseException:
             offers.withdraw()  # the entries stay pending in Redis
-            for part in starts:
-                if not part.decisions.cancel() and not part.decisions.cancelled():
-                    part.decisions.exception()  # taken, so asyncio does not log it again
             raise
-        # One hand-over: the engine starts the jobs of one piece in the same pass. The
-        # offers of a part whose start script failed are dropped: its entries stay pending.
+        # One hand-over: the engine starts the jobs of one piece in the same pass.
         offers.admit(admitted)
         self._note_held()
         if batch:
             await self.commit(batch)
-        if failed is not None:
-            raise failed
-
-    def _take_part(
-        self,
-        entries: list[StreamEntry],
-        batch: Batch,
-        offers: OfferRound,
-        starts: list[_StartingPart],
-    ) -> None:
-        """Take in one read's entries, send the engine their offers, then the start script
-        for the good ones: Redis runs it while the worker parses the next part of a burst."""
-        decoded: list[tuple[StreamEntry, GenerationRequest]] = []
-        self._take_in(entries, batch, decoded, offers)
-        offers.flush()
-        if decoded:
-            pairs = [(request.id, entry.entry_id) for entry, request in decoded]
-            task = eager_task(self.broker.start_jobs(pairs), name="exlq-start-part")
-            starts.append(_StartingPart(decoded, task))
 
     def _take_in(
         self,
@@ -266,27 +235,28 @@ class Worker:
         self,
         piece: list[StreamEntry],
         batch: Batch,
+        decoded: list[tuple[StreamEntry, GenerationRequest]],
         offers: OfferRound,
-        starts: list[_StartingPart],
     ) -> None:
         """The piece's last entry says more of its burst follows: take it in, and read the
         rest into the piece, up to its full size and the free slots, for at most
         burst_wait_ms. Each read goes out before the worker parses what the last one
-        brought, and each part's start script once it is parsed, so Redis answers while the
-        worker parses, and the engine readies the jobs offered so far meanwhile. A full
-        piece (a read's earlier pieces are full) reads nothing; reclaimed entries carry no
-        mark. A read that fails, or a stop, ends the wait: the jobs taken still run, and
-        the next read meets the error. Every read sent is awaited and its entries taken
-        in, so none is left in this worker's pending list unseen."""
+        brought, so Redis answers while the worker parses, and the engine readies the jobs
+        offered so far meanwhile. A full piece (a read's earlier pieces are full) reads
+        nothing; reclaimed entries carry no mark. A read that fails, or a stop, ends the
+        wait: the jobs taken still run, and the next read meets the error. Every read sent
+        is awaited and its entries taken in, so none is left in this worker's pending
+        list unseen."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.burst_wait_ms / 1000
         taken, rest = len(piece), piece
         read = await self._read_ahead(taken, deadline)
         try:
             while True:
-                self._take_part(rest, batch, offers, starts)
+                self._take_in(rest, batch, decoded, offers)
                 if read is None:
                     return
+                offers.flush()
                 try:
                     rest = await read
                 except RedisError:
@@ -313,35 +283,29 @@ class Worker:
             await asyncio.sleep(0)  # one pass of the loop sends it
         return read
 
-    async def _started(
-        self, batch: Batch, starts: list[_StartingPart]
-    ) -> tuple[list[tuple[str, GenerationRequest]], RedisError | None]:
-        """The start scripts' verdicts, part by part: settle the jobs they refuse (into
-        ``batch``) and return the ones the engine is to run, in order, with the first Redis
-        error met. A part whose script failed is left out: its entries stay pending in
-        Redis, to be reclaimed, while the parts started run."""
+    async def _start_piece(
+        self, batch: Batch, decoded: list[tuple[StreamEntry, GenerationRequest]]
+    ) -> list[tuple[str, GenerationRequest]]:
+        """Run the start script for the piece's parsed jobs; settle those it refuses (into
+        ``batch``) and return the ones the engine is to run."""
+        decisions = await self.broker.start_jobs(
+            [(request.id, entry.entry_id) for entry, request in decoded]
+        )
+        now = time.time()
         admitted: list[tuple[str, GenerationRequest]] = []
-        failed: RedisError | None = None
-        for part in starts:
-            try:
-                decisions = await part.decisions
-            except RedisError as exc:
-                failed = failed or exc
-                continue
-            now = time.time()
-            for (entry, request), decision in zip(part.decoded, decisions, strict=True):
-                job = RunningJob(
-                    job_id=request.id,
-                    entry_id=entry.entry_id,
-                    request=request,
-                    attempt=max(decision.attempt, 1),
-                    channel=self.broker.keys.events(request.id),
-                    enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
-                    started_at=now,
-                )
-                if self._start(batch, job, decision, now):
-                    admitted.append((job.job_id, request))
-        return admitted, failed
+        for (entry, request), decision in zip(decoded, decisions, strict=True):
+            job = RunningJob(
+                job_id=request.id,
+                entry_id=entry.entry_id,
+                request=request,
+                attempt=max(decision.attempt, 1),
+                channel=self.broker.keys.events(request.id),
+                enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
+                started_at=now,
+            )
+            if self._start(batch, job, decision, now):
+                admitted.append((job.job_id, request))
+        return admitted
 
     def _decode(self, entry: StreamEntry) -> GenerationRequest:
         if entry.payload is None:

@@ -111,28 +111,6 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
     assert failed and result.state == "done"
 
 
-def _check_piece(piece: list[tuple[str, list[str]]], offer_before_start: bool) -> None:
-    """One piece's log: offers (with --offer-before-start: the first job alone, then up
-    to OFFER_PART at a time), each read's start script once its jobs are offered, then the
-    hand-over of the started jobs."""
-    from worker.offer_round import OFFER_PART
-
-    *before, (last, admitted) = piece
-    assert last == "add" and before[-1][0] == "start"
-    started = [job_id for kind, ids in before if kind == "start" for job_id in ids]
-    assert started == admitted
-    offered = [len(ids) for kind, ids in before if kind == "offer"]
-    if not offer_before_start:
-        assert offered == []
-        return
-    assert offered[0] == 1 and max(offered) <= OFFER_PART
-    assert sum(offered) == len(admitted)
-    for i, (kind, ids) in enumerate(before):
-        if kind == "start":
-            so_far = {job_id for k, o in before[:i] if k == "offer" for job_id in o}
-            assert set(ids) <= so_far
-
-
 @pytest.mark.parametrize("offer_before_start", [True, False])
 async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     redis_url: str,
@@ -143,8 +121,8 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
 ) -> None:
     """Each piece of a read is started and handed to the engine before the next is
     started, so the engine can prefill the first while the worker takes in the rest. With
-    --offer-before-start each piece is offered in parts as it is parsed, before the start
-    script of its read; the admit after the scripts names every offered job by id alone."""
+    --offer-before-start each piece is offered in parts as it is parsed, before its start
+    script; the admit after the script names every offered job by id alone."""
     from worker.engine_loop import EngineLoop
     from worker.offer_round import OFFER_PART
     from worker.runner import ACCEPT_PIECE
@@ -186,26 +164,32 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
         )
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=30)
     assert [r.state for r in results] == ["done"] * count
-    # Accepted in pieces: each piece's offers and start scripts (one a read: a piece
-    # gathered from a burst's parts of 8 has one a part), then its hand-over.
+    # Accepted in pieces: each piece's offers, its start script, its hand-over.
     assert ACCEPT_PIECE == 32 and OFFER_PART == 8
-    rounds: list[list[tuple[str, list[str]]]] = [[]]
+    rounds: list[list[tuple[str, int]]] = [[]]
     for kind, ids in log:
-        rounds[-1].append((kind, ids))
+        rounds[-1].append((kind, len(ids)))
         if kind == "add":
             rounds.append([])
     assert rounds.pop() == []
-    assert [len(r[-1][1]) for r in rounds] == [ACCEPT_PIECE, ACCEPT_PIECE, 5]
+    assert [r[-2:] for r in rounds] == [
+        [("start", n), ("add", n)] for n in (ACCEPT_PIECE, ACCEPT_PIECE, 5)
+    ]
     for piece in rounds:
-        _check_piece(piece, offer_before_start)
+        offered = [n for kind, n in piece[:-2]]
+        assert all(kind == "offer" for kind, _ in piece[:-2])
+        if offer_before_start:
+            # The first job alone, then up to OFFER_PART at a time.
+            assert offered[0] == 1 and max(offered) <= OFFER_PART
+            assert sum(offered) == piece[-1][1]
+        else:
+            assert offered == []
     if offer_before_start and not EAGER_SEND:
         # The burst landed in one write: one read took it whole, and a piece of 32 went
-        # in 1, 8, 8, 8, 7, one of 5 in 1, 4, each with one start script. (With the SDK's
-        # first piece of 8 written first, the read may bring those 8 alone, and the worker
-        # offers them before it reads the rest: 1, 7, 8, ...)
-        assert [[(k, len(ids)) for k, ids in r] for r in rounds] == [
-            [("offer", n) for n in (1, 8, 8, 8, 7)] + [("start", 32), ("add", 32)]
-        ] * 2 + [[("offer", 1), ("offer", 4), ("start", 5), ("add", 5)]]
+        # in 1, 8, 8, 8, 7, one of 5 in 1, 4. (With the SDK's first piece of 8 written
+        # first, the read may bring those 8 alone, and the worker offers them before it
+        # reads the rest: 1, 7, 8, ...)
+        assert [[n for _, n in r[:-2]] for r in rounds] == [[1, 8, 8, 8, 7]] * 2 + [[1, 4]]
     handed = [job_id for kind, ids in log if kind == "add" for job_id in ids]
     assert handed == [h.id for h in burst]
     offered = [job_id for kind, ids in log if kind == "offer" for job_id in ids]
@@ -382,42 +366,3 @@ async def test_the_read_for_a_bursts_rest_goes_out_before_the_worker_parses_what
         "parse p-1",
         "parse p-2",
     ]
-
-
-async def test_a_part_whose_start_script_fails_stays_pending_while_the_rest_runs(
-    redis_url: str,
-    queue_name: str,
-    start_worker: Any,
-    redis_client: aioredis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A burst gathered in two reads runs a start script for each. When the second fails,
-    the first read's job runs at once; the second's entry stays pending in Redis and runs
-    after its reclaim. No job is lost or run twice."""
-    keys = QueueKeys(queue_name)
-    log: list[str] = []
-    real_start = Broker.start_jobs
-
-    async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
-        ids = [job_id for job_id, _ in jobs]
-        log.append(f"start {' '.join(ids)}")
-        if ids == ["s-1"] and log.count("start s-1") == 1:
-            raise RedisConnectionError("connection reset while starting a part")
-        return await real_start(self, jobs)
-
-    monkeypatch.setattr(Broker, "start_jobs", start_jobs)
-    engine = CountingEngine(capacity=16)
-    await start_worker(engine=engine, max_batch_size=16, burst_wait_ms=5000, claim_idle_ms=500)
-    await _xadd(redis_client, keys, "s-0", more=True)
-    async with asyncio.timeout(10):
-        while not log:
-            await asyncio.sleep(0.005)
-    await _xadd(redis_client, keys, "s-1", more=False)
-    first, second = await _results(redis_client, keys, ["s-0", "s-1"])
-    assert (first.state, first.attempts) == ("done", 1)
-    # The failed call never reached Redis, so the reclaim's start is its first attempt.
-    assert (second.state, second.attempts) == ("done", 1)
-    assert log == ["start s-0", "start s-1", "start s-1"]
-    assert next(n for n in engine.jobs_per_step if n) == 1
-    pending = await redis_client.xpending(keys.jobs, "workers")
-    assert pending["pending"] == 0
