@@ -22,7 +22,8 @@ The same class makes the job's two copies of its prompt's ids (exllamav2's job c
 calls ``SeqTensor.from_tensor`` for its input ids and its sequence ids, through the name
 the hook replaces) in one allocation: the ids padded with zeros to SeqTensor's capacity,
 where SeqTensor's own allocates the buffer, slices it and copies into the slice. On the
-H100's host the two took 42 µs of a job's 140 µs build (docs/PERFORMANCE.md).
+H100's host the two took 32 µs of a job's 104 µs build, and take 19 µs so (a build 72 µs;
+docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
