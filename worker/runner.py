@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from producer.backoff import REDIS_BACKOFF, reconnect_delay_s
-from producer.eager_task import EAGER_START, eager_task
+from producer.eager_task import started_task
 from producer.keys import check_name
 from producer.protocol import (
     ErrorEvent,
@@ -278,10 +278,7 @@ class Worker:
         wait_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
         if room <= 0 or wait_ms < 1 or self.stop_reading.is_set():  # BLOCK 0: for ever
             return None
-        read = eager_task(self.broker.read(room, wait_ms), name="exlq-burst-read")
-        if not EAGER_START:
-            await asyncio.sleep(0)  # one pass of the loop sends it
-        return read
+        return await started_task(self.broker.read(room, wait_ms), name="exlq-burst-read")
 
     async def _start_piece(
         self, batch: Batch, decoded: list[tuple[StreamEntry, GenerationRequest]]

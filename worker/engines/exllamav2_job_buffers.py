@@ -40,6 +40,12 @@ from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exlla
 log = logging.getLogger(__name__)
 
 
+def _capacity(length: int) -> int:
+    """SeqTensor's capacity for `length` positions: the next whole page past them."""
+    page: int = SeqTensor.PAGE_SIZE
+    return (length // page + 1) * page
+
+
 class OnDemandSeqTensor(SeqTensor):  # type: ignore[misc]
     """exllamav2's SeqTensor whose buffer is allocated on its first use, not when it is made.
     Capacity, shape and growth are SeqTensor's."""
@@ -57,8 +63,7 @@ class OnDemandSeqTensor(SeqTensor):  # type: ignore[misc]
             seq_dim += len(shape)
         self.seq_dim = seq_dim
         self.seq_len = 0
-        page = self.PAGE_SIZE
-        self.seq_cap = page if init_cap == -1 else (init_cap // page + 1) * page
+        self.seq_cap = self.PAGE_SIZE if init_cap == -1 else _capacity(init_cap)
         full = list(shape)
         full[seq_dim] = self.seq_cap
         self._shape = tuple(full)
@@ -73,8 +78,7 @@ class OnDemandSeqTensor(SeqTensor):  # type: ignore[misc]
         if seq_dim < 0:
             seq_dim += tensor.dim()
         length = tensor.shape[seq_dim]
-        page = SeqTensor.PAGE_SIZE
-        capacity = (length // page + 1) * page
+        capacity = _capacity(length)
         made = SeqTensor.__new__(SeqTensor)
         made.seq_dim, made.seq_len, made.seq_cap = seq_dim, length, capacity
         # F.pad's pairs run from the last dimension back to seq_dim.
