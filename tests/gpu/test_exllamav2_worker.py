@@ -187,6 +187,45 @@ def test_input_ids_run_as_the_same_prompt_and_unseeded_jobs_draw_apart(engine: A
     assert runs[0]["unseeded"] != runs[1]["unseeded"]
 
 
+def test_jobs_of_equal_sampling_share_settings_that_exllamav2_never_changes(
+    engine: Any,
+) -> None:
+    """The engine gives jobs of equal sampling (seeds aside) one ExLlamaV2Sampler.Settings.
+    Fails loudly if exllamav2 0.3.2 writes to a job's settings anywhere but for DRY and
+    mirostat, which exlq's settings never turn on."""
+    import inspect
+    import re
+
+    import exllamav2.generator.dynamic as dynamic
+    import exllamav2.generator.sampler as sampler
+
+    from producer.protocol import GenerationRequest
+
+    def settings(**sampling: Any) -> Any:
+        return engine._sampler(GenerationRequest(prompt="x", sampling=sampling))
+
+    warm = settings(temperature=0.7, top_k=20, seed=1)
+    assert settings(temperature=0.7, top_k=20, seed=2) is warm
+    assert settings(temperature=0.7, top_k=21) is not warm
+    greedy = settings(temperature=0)
+    assert settings(temperature=0, seed=9) is greedy and greedy.top_k == 1
+    assert (warm.temperature, warm.top_k) == (0.7, 20)
+    for made in (warm, greedy):
+        assert made.dry_multiplier == 0.0 and not made.mirostat
+
+    source = inspect.getsource(sampler)
+    written = re.findall(r"settings\.(\w+)(?: = |\.append\()", source)
+    assert set(written) == {
+        "ngram_trie",
+        "ngram_index",
+        "ngram_history",
+        "dry_sequence_breakers",
+        "mirostat_mu",
+    }
+    assert "if settings.dry_multiplier > 0.0:" in source
+    assert re.search(r"settings\.\w+ = ", inspect.getsource(dynamic)) is None
+
+
 def test_a_packed_request_makes_the_same_tokens_and_ids_outside_the_vocabulary_fail(
     engine: Any,
 ) -> None:

@@ -11,6 +11,7 @@ replayed from CUDA graphs (exllamav2_graphs.py), unless settings turn them off.
 from __future__ import annotations
 
 import array
+import functools
 import logging
 import math
 import random
@@ -92,6 +93,46 @@ class _Checked:
     input_ids: Any  # torch.Tensor, shape (1, prompt tokens)
     prompt_tokens: int
     job: Any = None  # ExLlamaV2DynamicJob, ready to queue (exllamav2_generator.ready_job)
+
+
+# Jobs of equal sampling share one ExLlamaV2Sampler.Settings: making one took 6-8 µs of a
+# job's build on the H100's host, on the way to a burst's first token. Sharing is safe
+# because exllamav2 0.3.2 writes to a job's settings only for DRY and mirostat, which these
+# never turn on (tests/gpu/test_exllamav2_worker.py pins both).
+SAMPLER_SETTINGS_KEPT = 256
+
+
+@functools.lru_cache(maxsize=SAMPLER_SETTINGS_KEPT)
+def sampler_settings(
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    typical: float,
+    repetition_penalty: float,
+    frequency_penalty: float,
+    presence_penalty: float,
+) -> Any:
+    """exllamav2's sampler settings for a request's sampling (its seed aside), one object
+    for all the jobs that ask for the same; never changed once made."""
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    if temperature == 0.0:
+        return ExLlamaV2Sampler.Settings.greedy(
+            token_repetition_penalty=repetition_penalty,
+            token_frequency_penalty=frequency_penalty,
+            token_presence_penalty=presence_penalty,
+        )
+    return ExLlamaV2Sampler.Settings(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        typical=0.0 if typical >= 1.0 else typical,
+        token_repetition_penalty=repetition_penalty,
+        token_frequency_penalty=frequency_penalty,
+        token_presence_penalty=presence_penalty,
+    )
 
 
 class ExLlamaV2Engine(Engine):
@@ -285,24 +326,16 @@ class ExLlamaV2Engine(Engine):
         return self.tokenizer.encode(request.prompt or "", add_bos=True)
 
     def _sampler(self, request: EngineRequest) -> Any:
-        from exllamav2.generator import ExLlamaV2Sampler
-
         s = request.sampling
-        if s.temperature == 0.0:
-            return ExLlamaV2Sampler.Settings.greedy(
-                token_repetition_penalty=s.repetition_penalty,
-                token_frequency_penalty=s.frequency_penalty,
-                token_presence_penalty=s.presence_penalty,
-            )
-        return ExLlamaV2Sampler.Settings(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            min_p=s.min_p,
-            typical=0.0 if s.typical >= 1.0 else s.typical,
-            token_repetition_penalty=s.repetition_penalty,
-            token_frequency_penalty=s.frequency_penalty,
-            token_presence_penalty=s.presence_penalty,
+        return sampler_settings(
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            s.min_p,
+            s.typical,
+            s.repetition_penalty,
+            s.frequency_penalty,
+            s.presence_penalty,
         )
 
     def cancel(self, job_id: str) -> JobEnded | None:

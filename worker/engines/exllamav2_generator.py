@@ -25,8 +25,10 @@ prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts ever
 fits: a burst starts in slices, and its first jobs decode while the rest prefill.
 
 Making exlq's generator also gives every job queued afterwards its held-output buffers on
-first use (exllamav2_job_buffers.py): a job's build, on the way to a burst's first token,
-no longer allocates five buffers it mostly never writes.
+first use (exllamav2_job_buffers.py), and every job made afterwards a random generator
+seeded at its first draw (exllamav2_job_rng.py): a job's build, on the way to a burst's
+first token, no longer allocates five buffers it mostly never writes, nor seeds a
+generator before the GPU runs.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from worker.engines.exllamav2_attention import (
     padding_supported,
 )
 from worker.engines.exllamav2_job_buffers import install_on_demand_buffers
+from worker.engines.exllamav2_job_rng import install_job_rng
 from worker.engines.exllamav2_prefill import PrefillBatcher
 from worker.engines.prefill_plan import jobs_to_start
 from worker.kernels.paged_attention import TILE_CLASS_ROWS
@@ -84,6 +87,7 @@ def make_dynamic_generator(
         )
         return ExLlamaV2DynamicGenerator(**kwargs)
     install_on_demand_buffers()
+    install_job_rng()
     return ExlqDynamicGenerator(
         gpu_sampling=gpu_sampling,
         prefill_batch_tokens=prefill_batch_tokens,
