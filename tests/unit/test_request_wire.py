@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import inspect
 import pickle
 from typing import Any
 
@@ -16,6 +17,7 @@ from worker.engines.engine_request import (
     PackedRequest,
     PackedSampling,
     SamplingFields,
+    sampling_settings,
 )
 from worker.settings import WorkerSettings
 
@@ -143,3 +145,18 @@ def test_the_engine_process_sends_requests_packed() -> None:
             end.close()
         for end in (process._child_commands, process._child_reports):
             end.close()
+
+
+def test_the_engines_sampler_settings_take_the_sampling_fields_in_their_order() -> None:
+    # exllamav2's settings are made (and shared) from sampling_settings(), positionally.
+    from worker.engines.exllamav2_engine import sampler_settings
+
+    names = list(inspect.signature(sampler_settings).parameters)
+    assert names == list(PackedSampling._fields[:-1]) and PackedSampling._fields[-1] == "seed"
+    sampling = Sampling(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, typical=0.8, seed=4)
+    settings = sampling_settings(sampling)
+    assert settings == tuple(getattr(sampling, name) for name in names)
+    assert PackedRequest.of(GenerationRequest(prompt="x", sampling=sampling)).sampling == (
+        *settings,
+        4,
+    )

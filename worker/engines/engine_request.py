@@ -71,6 +71,23 @@ class EngineRequest(Protocol):
     def logprobs(self) -> int: ...
 
 
+SamplingSettings = tuple[float, int, float, float, float, float, float, float]
+
+
+def sampling_settings(s: SamplingFields) -> SamplingSettings:
+    """A request's sampling settings, its seed aside, in PackedSampling's order."""
+    return (
+        s.temperature,
+        s.top_k,
+        s.top_p,
+        s.min_p,
+        s.typical,
+        s.repetition_penalty,
+        s.frequency_penalty,
+        s.presence_penalty,
+    )
+
+
 class PackedSampling(NamedTuple):
     temperature: float
     top_k: int
@@ -109,17 +126,7 @@ class PackedRequest(NamedTuple):
             None if request.messages is None else tuple(request.messages),
             None if request.input_ids is None else pack_ids(request.input_ids),
             request.max_new_tokens,
-            PackedSampling(
-                s.temperature,
-                s.top_k,
-                s.top_p,
-                s.min_p,
-                s.typical,
-                s.repetition_penalty,
-                s.frequency_penalty,
-                s.presence_penalty,
-                s.seed,
-            ),
+            PackedSampling(*sampling_settings(s), s.seed),
             tuple(request.stop),
             tuple(request.stop_token_ids),
             tuple(request.banned_strings),
