@@ -17,8 +17,8 @@ def test_a_seeded_job_random_draws_what_random_random_draws(seed: int) -> None:
     assert [lazy.random() for _ in range(5)] == [stock.random() for _ in range(5)]
     assert lazy.seeded
     # Any other method of random.Random continues the same stream.
-    assert lazy.getrandbits(64) == stock.getrandbits(64)
-    assert lazy.randint(0, 10**9) == stock.randint(0, 10**9)
+    assert lazy.generator.getrandbits(64) == stock.getrandbits(64)
+    assert lazy.generator.randint(0, 10**9) == stock.randint(0, 10**9)
 
 
 def test_unseeded_job_randoms_draw_apart_and_unknown_names_fail() -> None:
@@ -28,3 +28,10 @@ def test_unseeded_job_randoms_draw_apart_and_unknown_names_fail() -> None:
         first.no_such_method  # noqa: B018
     with pytest.raises(AttributeError):
         JobRandom(1)._private  # noqa: B018
+
+
+def test_after_the_first_draw_the_draws_are_the_generators_own() -> None:
+    # The per-token path: later draws call random.Random's method, with nothing between.
+    lazy = JobRandom(3)
+    lazy.random()
+    assert lazy.random == lazy.generator.random

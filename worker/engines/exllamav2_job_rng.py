@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class JobRandom:
-    """``random.Random(seed)``, made at the first use: the same draws as it. Without a seed
-    it is seeded from the system's randomness then, as ``random.Random()`` is."""
-
-    __slots__ = ("_generator", "_seed")
+    """``random.Random(seed)``, made at the first draw: the same draws as it. Without a
+    seed it is seeded from the system's randomness then, as ``random.Random()`` is. It has
+    the one method exllamav2's job calls, ``random()``; ``generator`` is the seeded
+    ``random.Random`` itself."""
 
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed
@@ -47,16 +47,15 @@ class JobRandom:
     def generator(self) -> random.Random:
         if self._generator is None:
             self._generator = random.Random(self._seed)
+            # The job draws once a token: from now on ``random`` is the generator's own
+            # bound method, found in the instance before the class's, so a draw on the
+            # per-token path costs what one from exllamav2's own generator does.
+            self.random = self._generator.random  # type: ignore[method-assign]
         return self._generator
 
     def random(self) -> float:
+        """The first draw: seeds the generator, then draws from it."""
         return self.generator.random()
-
-    def __getattr__(self, name: str) -> Any:
-        """Every other method of random.Random, from the seeded generator."""
-        if name.startswith("_"):  # never for the slots: no recursion while unset
-            raise AttributeError(name)
-        return getattr(self.generator, name)
 
 
 # What exllamav2.generator.dynamic finds under its name ``random`` once installed.
