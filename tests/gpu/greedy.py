@@ -1,5 +1,6 @@
 """Helpers the GPU tests share: a batch of greedy jobs run to the end, two such runs
-compared, and the same jobs run eagerly and from decode graphs."""
+compared, the same jobs run eagerly and from decode graphs, and seeded jobs of given
+sampling settings run to the end."""
 
 from __future__ import annotations
 
@@ -87,3 +88,31 @@ def compare_replay_with_eager(
     replayed = generate(generator)
     assert graphs.replays >= max(new_tokens) - 1, "decode steps did not go through the graphs"
     return graphs, assert_same_greedy(eager, replayed, new_tokens)
+
+
+def seeded_tokens(generator: Any, settings: list[Any]) -> tuple[list[list[int]], list[Any]]:
+    """Job i samples with settings[i] and seed 100 + i, from its own random prompt of
+    50 + 97 * i tokens, for 24 + 3 * i new tokens, all batched together, no stop
+    conditions; each job's tokens, and the jobs."""
+    import torch
+    from exllamav2.generator import ExLlamaV2DynamicJob
+
+    rng = torch.Generator().manual_seed(3)
+    jobs = []
+    for i, s in enumerate(settings):
+        job = ExLlamaV2DynamicJob(
+            input_ids=torch.randint(3, 32000, (1, 50 + 97 * i), generator=rng),
+            max_new_tokens=24 + 3 * i,
+            stop_conditions=[],
+            gen_settings=s,
+            seed=100 + i,
+            identifier=i,
+        )
+        generator.enqueue(job)
+        jobs.append(job)
+    tokens: list[list[int]] = [[] for _ in settings]
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result.get("stage") == "streaming" and "token_ids" in result:
+                tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
+    return tokens, jobs

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.greedy import seeded_tokens
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -110,27 +112,7 @@ def test_draw_is_the_inverse_cdf_and_greedy_takes_the_first_largest_logit(cuda: 
 
 
 def _run(generator: Any, settings: list[Any]) -> list[list[int]]:
-    import torch
-    from exllamav2.generator import ExLlamaV2DynamicJob
-
-    rng = torch.Generator().manual_seed(3)
-    for i, s in enumerate(settings):
-        generator.enqueue(
-            ExLlamaV2DynamicJob(
-                input_ids=torch.randint(3, 32000, (1, 50 + 97 * i), generator=rng),
-                max_new_tokens=24 + 3 * i,
-                stop_conditions=[],
-                gen_settings=s,
-                seed=100 + i,
-                identifier=i,
-            )
-        )
-    tokens: list[list[int]] = [[] for _ in settings]
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.get("stage") == "streaming" and "token_ids" in result:
-                tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
-    return tokens
+    return seeded_tokens(generator, settings)[0]
 
 
 def test_generator_output_is_unchanged_for_greedy_and_repeatable_when_seeded(

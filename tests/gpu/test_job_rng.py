@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.greedy import seeded_tokens
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -35,35 +37,16 @@ def test_exllamav2_uses_random_only_for_the_jobs_generator(cuda: None) -> None:
 
 def _sampled_tokens(generator: Any) -> tuple[list[list[int]], list[Any]]:
     """Seeded jobs that sample (on the GPU, and one on exllamav2's CPU path: top_p), and
-    an unseeded greedy one; their tokens and jobs."""
-    import torch
-    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    a greedy one; their tokens and jobs."""
+    from exllamav2.generator import ExLlamaV2Sampler
 
-    rng = torch.Generator().manual_seed(4)
     settings = [
         ExLlamaV2Sampler.Settings(temperature=0.9, top_k=0, token_repetition_penalty=1.0),
         ExLlamaV2Sampler.Settings(temperature=1.0, top_k=40, token_repetition_penalty=1.0),
         ExLlamaV2Sampler.Settings(temperature=0.9, top_p=0.9, token_repetition_penalty=1.0),
         ExLlamaV2Sampler.Settings.greedy(),
     ]
-    jobs = []
-    for i, sampling in enumerate(settings):
-        job = ExLlamaV2DynamicJob(
-            input_ids=torch.randint(3, 32000, (1, 30 + 70 * i), generator=rng),
-            max_new_tokens=20,
-            stop_conditions=[],
-            gen_settings=sampling,
-            seed=None if i == 3 else 50 + i,
-            identifier=i,
-        )
-        generator.enqueue(job)
-        jobs.append(job)
-    tokens: list[list[int]] = [[] for _ in settings]
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.get("stage") == "streaming" and "token_ids" in result:
-                tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
-    return tokens, jobs
+    return seeded_tokens(generator, settings)
 
 
 def test_seeded_jobs_make_the_same_tokens_with_generators_seeded_at_the_first_draw(
@@ -86,6 +69,6 @@ def test_seeded_jobs_make_the_same_tokens_with_generators_seeded_at_the_first_dr
     generator.reset_page_table()
     stock, jobs = _sampled_tokens(generator)
     assert all(type(job.rng) is random.Random for job in jobs)
-    assert all(len(t) == 20 for t in stock)
+    assert all(len(t) == 24 + 3 * i for i, t in enumerate(stock))
     assert lazy == stock
     print(f"\n{len(stock)} jobs' tokens identical with generators seeded at the first draw")
