@@ -81,7 +81,8 @@ end""",
 )
 
 
-# Whether a full piece goes out at once (an eager task) or with the end of the loop pass.
+# Whether a full piece goes out at once (an eager task) or with the end of the loop pass;
+# where Python can start tasks eagerly, bench.sdk_path turns it off to compare the two.
 EAGER_SEND = EAGER_START
 
 
