@@ -81,9 +81,11 @@ class OnDemandSeqTensor(SeqTensor):  # type: ignore[misc]
         capacity = _capacity(length)
         made = SeqTensor.__new__(SeqTensor)
         made.seq_dim, made.seq_len, made.seq_cap = seq_dim, length, capacity
-        # F.pad's pairs run from the last dimension back to seq_dim.
+        # The pad's pairs run from the last dimension back to seq_dim. constant_pad_nd is
+        # what F.pad calls for a constant pad, without its checks of mode and value: 4.6
+        # against 6.5 µs on the H100's host, twice a job.
         pad = (0, 0) * (tensor.dim() - 1 - seq_dim) + (0, capacity - length)
-        made.tensor = torch.nn.functional.pad(tensor, pad)
+        made.tensor = torch.constant_pad_nd(tensor, pad, 0)
         return made
 
     @property
