@@ -23,6 +23,7 @@ from worker.engines.base import (
     describe_error,
 )
 from worker.engines.engine_request import EngineRequest
+from worker.gc_pauses import ShadowCollector
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
@@ -115,7 +116,11 @@ class EngineLoop:
     outputs go out through ``report``, which must be thread-safe."""
 
     def __init__(
-        self, engine: Engine, overlap_reports: bool = True, admit_in_wait: bool = True
+        self,
+        engine: Engine,
+        overlap_reports: bool = True,
+        admit_in_wait: bool = True,
+        collector: ShadowCollector | None = None,
     ) -> None:
         self.engine = engine
         self.name = engine.name
@@ -123,6 +128,10 @@ class EngineLoop:
         self.setup = engine.setup
         self.overlap_reports = overlap_reports
         self.admit_in_wait = admit_in_wait
+        # In a process of the engine's own, Python's collections run where the engine
+        # waits anyway (gc_pauses.ShadowCollector): in a decode step's wait for the GPU,
+        # when idle, or after a step once one is far overdue. None: wherever CPython runs them.
+        self.collector = collector
         self._report: ReportSink = _no_sink
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
@@ -143,9 +152,11 @@ class EngineLoop:
         self._offered: dict[int, dict[str, object]] = {}
 
     @classmethod
-    def for_settings(cls, engine: Engine, settings: WorkerSettings) -> EngineLoop:
+    def for_settings(
+        cls, engine: Engine, settings: WorkerSettings, collector: ShadowCollector | None = None
+    ) -> EngineLoop:
         """The loop as the worker's settings ask for it (in the worker or the engine process)."""
-        return cls(engine, settings.overlap_reports, settings.admit_in_wait)
+        return cls(engine, settings.overlap_reports, settings.admit_in_wait, collector)
 
     def start(self, report: ReportSink) -> None:
         self._report = report
@@ -173,16 +184,18 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        if self.overlap_reports or self.admit_in_wait:
+        if self.overlap_reports or self.admit_in_wait or self.collector is not None:
             self.engine.set_wait_work(self._in_wait)
+        if self.collector is not None:
+            self.collector.start()
         try:
             while True:
                 outputs: list[EngineOutput] = []
                 self._outputs = outputs
                 # Block only while idle; with work in flight, take what has arrived and step.
                 idle = self.engine.active_jobs == 0
-                if idle and self._offered:
-                    self._build_ahead()
+                if idle:
+                    self._while_idle()
                 if not self._apply(self._take_commands(block=idle), outputs):
                     self._send_held()
                     return
@@ -207,6 +220,8 @@ class EngineLoop:
         finally:
             # A loop that has ended leaves no work in the engine: another may drive it.
             self.engine.set_wait_work(None)
+            if self.collector is not None:
+                self.collector.stop()
 
     def _report_fatal(self, reason: str) -> None:
         held, self._held = self._held, None
@@ -253,8 +268,9 @@ class EngineLoop:
     def _in_wait(self) -> None:
         """The engine's wait work, run while the GPU runs the step: the held report goes
         out (overlap_reports), then the jobs that have arrived are added and the engine
-        readies the next step (admit_in_wait): it may build the jobs that step will start. A
-        failing sink must not fail the step's jobs: its error is raised after the step."""
+        readies the next step (admit_in_wait): it may build the jobs that step will start;
+        last, the collection that is due, if any (collector). A failing sink must not fail
+        the step's jobs: its error is raised after the step."""
         self._step_waited = True
         if self.overlap_reports:
             try:
@@ -264,6 +280,8 @@ class EngineLoop:
         if self.admit_in_wait:
             self._add_arrived()
             self._outputs += self.engine.prepare_next_step()
+        if self.collector is not None:
+            self.collector.collect_if_due()
 
     def _add_arrived(self) -> None:
         """Add the jobs of the add commands that have arrived, up to the first command of
@@ -327,6 +345,14 @@ class EngineLoop:
             started = _intake(job_id, functools.partial(self.engine.admit, job_id, prepared))
         return started if isinstance(started, JobErrored) else None
 
+    def _while_idle(self) -> None:
+        """Before an idle engine waits for commands: build the jobs offered, if any; else,
+        with no command waiting, run the collection that is due (collector)."""
+        if self._offered:
+            self._build_ahead()
+        elif self.collector is not None and not self._deferred and self._commands.empty():
+            self.collector.collect_if_due()
+
     def _build_ahead(self) -> None:
         """While idle, with jobs offered and their start awaited: the engine may build what
         its first step will start, in the time the worker's start script takes."""
@@ -358,6 +384,8 @@ class EngineLoop:
                 JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
             )
         seconds = time.perf_counter() - started
+        if self.collector is not None:  # steps without a wait (prefills) let none run
+            self.collector.collect_if_overdue()
         if seconds > SLOW_STEP_S:
             # Usually kernel compilation for a new shape, or many prefills in one iteration.
             log.warning("engine step took %.0f ms with %d jobs", seconds * 1000, jobs)

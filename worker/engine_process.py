@@ -23,6 +23,7 @@ from worker.engines.base import (
     describe_error,
 )
 from worker.engines.engine_request import EngineRequest, PackedRequest
+from worker.gc_pauses import ShadowCollector, freeze_startup_heap
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -165,8 +166,11 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
         log.exception("engine failed to load")
         reports.send(("unavailable", f"the engine failed to load: {describe_error(exc)}"))
         return
+    # The engine, its model and its libraries are loaded: out of the collector's reach,
+    # and the collections of the engine process run where the engine waits anyway.
+    loop = EngineLoop.for_settings(engine, settings, ShadowCollector())
+    freeze_startup_heap()
     reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
-    loop = EngineLoop.for_settings(engine, settings)
     send_lock = threading.Lock()
 
     # On the engine thread, between steps. A sender thread of its own was measured slower

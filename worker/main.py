@@ -15,6 +15,7 @@ from worker.broker import Broker
 from worker.engine_loop import EngineLoop, EngineRunner
 from worker.engine_process import EngineProcess
 from worker.engines import EngineUnavailable, build_engine
+from worker.gc_pauses import freeze_startup_heap
 from worker.http_server import HealthServer
 from worker.metrics import Metrics
 from worker.runner import Worker
@@ -121,6 +122,7 @@ async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Br
     log.info("metrics on http://%s:%d/metrics", settings.metrics_host, http.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    freeze_startup_heap()  # what start-up made stays: no full collection walks it again
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, _on_signal, stop, signum)
     try:

@@ -29,6 +29,7 @@ from producer.submit_batch import PIECE_JOBS
 from worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
 from worker.engine_loop import EngineRunner, StepReport
 from worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
+from worker.gc_pauses import collections_deferred
 from worker.limits import RequestLimits
 from worker.metrics import Metrics
 from worker.offer_round import OfferRound
@@ -38,7 +39,7 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 # A read's entries reach the engine in pieces of this many jobs, the size of the SDK's
-# full submit pieces (the SDK writes a burst's first piece of this size in parts of 8, which
+# full submit pieces (the SDK writes a burst's first piece of this size in parts of 4, which
 # _gather_burst reads into one): each piece is parsed, started and handed over before the
 # next is parsed, so the engine starts prefilling a burst's first slice (the admission
 # budget's 8,192 tokens hold 32 prompts of 256) while the worker takes in the rest. The
@@ -195,18 +196,21 @@ class Worker:
         # parses the rest and runs the start script (offer_round.py). A job this worker
         # holds is not offered: the engine runs it under that id already.
         offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
-        try:
-            if entries[-1].more:
-                await self._gather_burst(entries, batch, decoded, offers)
-            else:
-                self._take_in(entries, batch, decoded, offers)
-            offers.flush()
-            admitted = await self._start_piece(batch, decoded)
-        except BaseException:
-            offers.withdraw()  # the entries stay pending in Redis
-            raise
-        # One hand-over: the engine starts the jobs of one piece in the same pass.
-        offers.admit(admitted)
+        # No collection pauses the piece's way to the engine (gc_pauses): what falls due
+        # runs after the hand-over, while the engine steps.
+        with collections_deferred():
+            try:
+                if entries[-1].more:
+                    await self._gather_burst(entries, batch, decoded, offers)
+                else:
+                    self._take_in(entries, batch, decoded, offers)
+                offers.flush()
+                admitted = await self._start_piece(batch, decoded)
+            except BaseException:
+                offers.withdraw()  # the entries stay pending in Redis
+                raise
+            # One hand-over: the engine starts the jobs of one piece in the same pass.
+            offers.admit(admitted)
         self._note_held()
         if batch:
             await self.commit(batch)
