@@ -491,6 +491,7 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         return [r for r in records if r["what"] == what]
 
     steps = at("step")[:steps_shown]
+    engine_pids = {r.get("pid") for r in at("step")}
     return {
         "reads": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("read")][:4],
         "pieces_begin": [_ms(r["t"], t0) for r in at("piece_begin")],
@@ -516,8 +517,17 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         "reports_in": [[_ms(r["t"], t0), r["firsts"]] for r in at("report_in")][:steps_shown],
         "commits_begin": [_ms(r["t"], t0) for r in at("commit_begin")][: steps_shown + 4],
         "commits_end": [_ms(r["t"], t0) for r in at("commit_end")][: steps_shown + 4],
-        # collections of 1 ms or more in the worker's processes: [start ms, ms, generation]
-        "worker_gc": [[_ms(r["begin"], t0), _ms(r["t"], r["begin"]), r["gen"]] for r in at("gc")],
+        # collections of 1 ms or more in the worker's processes: [start ms, ms, generation,
+        # the process: "engine" (the one that steps) or "worker"]
+        "worker_gc": [
+            [
+                _ms(r["begin"], t0),
+                _ms(r["t"], r["begin"]),
+                r["gen"],
+                "engine" if r["pid"] in engine_pids else "worker",
+            ]
+            for r in at("gc")
+        ],
     }
 
 
