@@ -23,7 +23,7 @@ from worker.engines.base import (
     describe_error,
 )
 from worker.engines.engine_request import EngineRequest
-from worker.gc_pauses import ShadowCollector
+from worker.gc_pauses import HeldCollections
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
@@ -120,7 +120,7 @@ class EngineLoop:
         engine: Engine,
         overlap_reports: bool = True,
         admit_in_wait: bool = True,
-        collector: ShadowCollector | None = None,
+        collections: HeldCollections | None = None,
     ) -> None:
         self.engine = engine
         self.name = engine.name
@@ -128,10 +128,11 @@ class EngineLoop:
         self.setup = engine.setup
         self.overlap_reports = overlap_reports
         self.admit_in_wait = admit_in_wait
-        # In a process of the engine's own, Python's collections run where the engine
-        # waits anyway (gc_pauses.ShadowCollector): in a decode step's wait for the GPU,
-        # when idle, or after a step once one is far overdue. None: wherever CPython runs them.
-        self.collector = collector
+        # In a process of the engine's own: Python's automatic collections are held off
+        # from a burst's arrival at an idle engine to its first decode step's wait for the
+        # GPU (gc_pauses.HeldCollections). None: CPython collects where it will.
+        self.collections = collections
+        self._held_steps = 0  # steps run while collections are held, none waiting
         self._report: ReportSink = _no_sink
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
@@ -153,10 +154,10 @@ class EngineLoop:
 
     @classmethod
     def for_settings(
-        cls, engine: Engine, settings: WorkerSettings, collector: ShadowCollector | None = None
+        cls, engine: Engine, settings: WorkerSettings, collections: HeldCollections | None = None
     ) -> EngineLoop:
         """The loop as the worker's settings ask for it (in the worker or the engine process)."""
-        return cls(engine, settings.overlap_reports, settings.admit_in_wait, collector)
+        return cls(engine, settings.overlap_reports, settings.admit_in_wait, collections)
 
     def start(self, report: ReportSink) -> None:
         self._report = report
@@ -184,10 +185,8 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        if self.overlap_reports or self.admit_in_wait or self.collector is not None:
+        if self.overlap_reports or self.admit_in_wait or self.collections is not None:
             self.engine.set_wait_work(self._in_wait)
-        if self.collector is not None:
-            self.collector.start()
         try:
             while True:
                 outputs: list[EngineOutput] = []
@@ -196,7 +195,10 @@ class EngineLoop:
                 idle = self.engine.active_jobs == 0
                 if idle:
                     self._while_idle()
-                if not self._apply(self._take_commands(block=idle), outputs):
+                commands = self._take_commands(block=idle)
+                if idle and self.collections is not None:
+                    self.collections.hold()  # a burst begins: no pause until its first wait
+                if not self._apply(commands, outputs):
                     self._send_held()
                     return
                 self._step_waited = False
@@ -220,8 +222,8 @@ class EngineLoop:
         finally:
             # A loop that has ended leaves no work in the engine: another may drive it.
             self.engine.set_wait_work(None)
-            if self.collector is not None:
-                self.collector.stop()
+            if self.collections is not None:
+                self.collections.release()
 
     def _report_fatal(self, reason: str) -> None:
         held, self._held = self._held, None
@@ -269,8 +271,8 @@ class EngineLoop:
         """The engine's wait work, run while the GPU runs the step: the held report goes
         out (overlap_reports), then the jobs that have arrived are added and the engine
         readies the next step (admit_in_wait): it may build the jobs that step will start;
-        last, the collection that is due, if any (collector). A failing sink must not fail
-        the step's jobs: its error is raised after the step."""
+        last, collections held since a burst began come back, the young one due first. A
+        failing sink must not fail the step's jobs: its error is raised after the step."""
         self._step_waited = True
         if self.overlap_reports:
             try:
@@ -280,8 +282,9 @@ class EngineLoop:
         if self.admit_in_wait:
             self._add_arrived()
             self._outputs += self.engine.prepare_next_step()
-        if self.collector is not None:
-            self.collector.collect_if_due()
+        if self.collections is not None:
+            self.collections.release()
+            self._held_steps = 0
 
     def _add_arrived(self) -> None:
         """Add the jobs of the add commands that have arrived, up to the first command of
@@ -346,12 +349,12 @@ class EngineLoop:
         return started if isinstance(started, JobErrored) else None
 
     def _while_idle(self) -> None:
-        """Before an idle engine waits for commands: build the jobs offered, if any; else,
-        with no command waiting, run the collection that is due (collector)."""
+        """Before an idle engine waits for commands: build the jobs offered, if any; else
+        nothing is on its way to the GPU, and collections held come back."""
         if self._offered:
             self._build_ahead()
-        elif self.collector is not None and not self._deferred and self._commands.empty():
-            self.collector.collect_if_due()
+        elif self.collections is not None:
+            self.collections.release()
 
     def _build_ahead(self) -> None:
         """While idle, with jobs offered and their start awaited: the engine may build what
@@ -384,12 +387,22 @@ class EngineLoop:
                 JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
             )
         seconds = time.perf_counter() - started
-        if self.collector is not None:  # steps without a wait (prefills) let none run
-            self.collector.collect_if_overdue()
+        if self.collections is not None and self.collections.held:
+            # Steps that never wait (prefills, an engine without waits) end the hold too.
+            self._held_steps += 1
+            if self._held_steps >= HELD_STEPS_MAX:
+                self.collections.release()
+                self._held_steps = 0
         if seconds > SLOW_STEP_S:
             # Usually kernel compilation for a new shape, or many prefills in one iteration.
             log.warning("engine step took %.0f ms with %d jobs", seconds * 1000, jobs)
         return seconds
+
+
+# Steps after which collections held since a burst began come back though no step waited
+# for the GPU: a burst's first slice is one prefill step, and its later ones start in the
+# decode steps' waits.
+HELD_STEPS_MAX = 4
 
 
 def _intake(job_id: str, call: Callable[[], _T]) -> _T | JobErrored:

@@ -23,7 +23,7 @@ from worker.engines.base import (
     describe_error,
 )
 from worker.engines.engine_request import EngineRequest, PackedRequest
-from worker.gc_pauses import ShadowCollector, freeze_startup_heap
+from worker.gc_pauses import HeldCollections, freeze_startup_heap
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -166,9 +166,9 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
         log.exception("engine failed to load")
         reports.send(("unavailable", f"the engine failed to load: {describe_error(exc)}"))
         return
-    # The engine, its model and its libraries are loaded: out of the collector's reach,
-    # and the collections of the engine process run where the engine waits anyway.
-    loop = EngineLoop.for_settings(engine, settings, ShadowCollector())
+    # The engine, its model and its libraries are loaded: out of the collector's reach;
+    # and no collection pauses a burst on its way to the GPU.
+    loop = EngineLoop.for_settings(engine, settings, HeldCollections())
     freeze_startup_heap()
     reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
     send_lock = threading.Lock()

@@ -15,11 +15,11 @@ Three measures, one for each place:
   ``gc.collect()`` then ``gc.freeze()`` move every object alive into the permanent
   generation, which no collection walks: a full collection then walks only what serving
   made since. vLLM's engine core and SGLang freeze their start-up heap the same way.
-- ``ShadowCollector`` (the engine loop's thread): automatic collections are off while the
-  loop runs, and the loop runs what CPython would have run at the points where the
-  engine waits anyway: while the GPU runs a decode step (its wait work), when the engine
-  has nothing to do, and after a step once a collection is far overdue. A burst's jobs
-  are then built, admitted and prefilled, and their first report sent, without a pause.
+- ``HeldCollections`` (the engine loop's thread): when commands reach an idle engine (a
+  burst begins), automatic collections are held off until the engine's first wait for
+  the GPU in a decode step, where the young collection that fell due runs in the GPU's
+  shadow and CPython takes collecting back. The burst's jobs are checked, built, admitted
+  and prefilled, and their first report sent, without a pause.
 - ``collections_deferred()`` (the worker's event loop): a piece is taken in (its reads,
   parse, offers, the start script and the hand-over) with automatic collections held
   off; what falls due runs at the first allocation after, while the engine steps.
@@ -33,11 +33,6 @@ import logging
 from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
-
-# After a step, collect anyway once the youngest generation holds this many times its
-# threshold (CPython's default 700: about 11,000 objects): a run of steps without a
-# decode wait (prefills) must not let the young generations grow without bound.
-OVERDUE_FACTOR = 16
 
 
 def freeze_startup_heap() -> int:
@@ -63,46 +58,43 @@ def collections_deferred() -> Iterator[None]:
 
 
 def due_generation() -> int | None:
-    """The generation CPython would collect now, were its automatic collections on; None
-    when none is due (or its thresholds turn them off: a first threshold of 0)."""
+    """The generation CPython would collect now, were its automatic collections on, its
+    full collections aside (CPython runs those only once the objects promoted since the
+    last exceed a quarter of the oldest generation, which Python does not expose); None
+    when none is due, or its thresholds turn collections off (a first threshold of 0)."""
     counts, thresholds = gc.get_count(), gc.get_threshold()
     if not thresholds[0]:
         return None
-    for generation in (2, 1, 0):
+    for generation in (1, 0):
         if counts[generation] > thresholds[generation]:
             return generation
     return None
 
 
-class ShadowCollector:
-    """Collections at chosen points of one thread, none automatic in between.
-
-    ``start()`` turns automatic collections off, ``stop()`` puts back what was there;
-    ``collect_if_due()`` runs what CPython would run now, ``collect_if_overdue()`` only
-    when the youngest generation is OVERDUE_FACTOR times past its threshold."""
+class HeldCollections:
+    """Automatic collections held off from ``hold()`` to ``release()``, for a stretch of
+    one thread that must not pause. ``release()`` first runs the young collection that fell
+    due meanwhile (generation 0 or 1), then gives collecting back to CPython, whose own
+    policy (full collections included) goes on as before."""
 
     def __init__(self) -> None:
         self._was_enabled = False
-        self.collections = 0  # run here, for tests and logs
+        self.held = False
+        self.collections = 0  # young collections run by release(), for tests and logs
 
-    def start(self) -> None:
-        self._was_enabled = gc.isenabled()
-        gc.disable()
+    def hold(self) -> None:
+        if not self.held:
+            self._was_enabled = gc.isenabled()
+            gc.disable()
+            self.held = True
 
-    def stop(self) -> None:
-        if self._was_enabled:
-            gc.enable()
-
-    def collect_if_due(self) -> int | None:
-        """Collect the generation due, if any; returns it."""
+    def release(self) -> None:
+        if not self.held:
+            return
         generation = due_generation()
         if generation is not None:
             gc.collect(generation)
             self.collections += 1
-        return generation
-
-    def collect_if_overdue(self) -> int | None:
-        threshold = gc.get_threshold()[0]
-        if threshold and gc.get_count()[0] > OVERDUE_FACTOR * threshold:
-            return self.collect_if_due()
-        return None
+        if self._was_enabled:
+            gc.enable()
+        self.held = False

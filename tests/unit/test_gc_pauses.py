@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import queue
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -17,9 +16,9 @@ from tests.engine_reports import collect_ends
 from worker.engine_loop import EngineLoop, StepReport
 from worker.engines.base import JobEnded
 from worker.engines.echo import EchoEngine
+from worker.engines.engine_request import EngineRequest
 from worker.gc_pauses import (
-    OVERDUE_FACTOR,
-    ShadowCollector,
+    HeldCollections,
     collections_deferred,
     due_generation,
     freeze_startup_heap,
@@ -87,27 +86,25 @@ def test_no_automatic_collection_while_deferred_and_the_state_before_comes_back(
     assert not gc.isenabled()
 
 
-def test_the_shadow_collector_collects_only_when_asked_and_what_cpython_would(
+def test_held_collections_run_the_young_collection_due_then_give_collecting_back(
     collector_state: None,
 ) -> None:
     gc.enable()
-    collector = ShadowCollector()
-    collector.start()
-    try:
-        refs = _cycles(60)
-        assert all(r() is not None for r in refs)  # past the threshold, not collected
-        assert due_generation() is not None
-        # Not yet OVERDUE_FACTOR times past it: an overdue check leaves it.
-        assert collector.collect_if_overdue() is None
-        assert collector.collect_if_due() is not None
-        assert all(r() is None for r in refs)
-        assert due_generation() is None and collector.collect_if_due() is None
-        _cycles(OVERDUE_FACTOR * 50 + 10)
-        assert collector.collect_if_overdue() is not None
-        assert collector.collections == 2
-    finally:
-        collector.stop()
-    assert gc.isenabled()
+    held = HeldCollections()
+    held.release()  # not held: nothing to do
+    assert gc.isenabled() and held.collections == 0
+    held.hold()
+    assert not gc.isenabled() and held.held
+    refs = _cycles(200)  # four times the threshold: collections are due, none runs
+    assert all(r() is not None for r in refs)
+    assert due_generation() in (0, 1)
+    held.release()
+    assert held.collections == 1 and all(r() is None for r in refs)
+    assert gc.isenabled() and not held.held
+    gc.disable()  # a user who turned the collector off keeps it off
+    held.hold()
+    held.release()
+    assert not gc.isenabled()
 
 
 class _BuildingEngine(EchoEngine):
@@ -117,7 +114,7 @@ class _BuildingEngine(EchoEngine):
         super().__init__(capacity=4, tokens_per_second=200)
         self.taking_in = False
 
-    def add(self, job_id: str, request: GenerationRequest) -> None:
+    def add(self, job_id: str, request: EngineRequest) -> None:
         self.taking_in = True
         try:
             _cycles(400)
@@ -126,33 +123,42 @@ class _BuildingEngine(EchoEngine):
             self.taking_in = False
 
 
-def test_the_engine_loop_collects_in_its_waits_and_never_while_taking_jobs_in(
+def test_no_collection_pauses_a_burst_on_its_way_in_and_collecting_comes_back_after(
     collector_state: None,
 ) -> None:
     gc.enable()
     engine = _BuildingEngine()
-    seen: list[tuple[str, bool]] = []  # (thread, during intake) of each collection
+    during_intake: list[bool] = []  # for each collection: did it start inside a job's intake?
+    enabled_at_wait: list[bool] = []
 
     def note(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            seen.append((threading.current_thread().name, engine.taking_in))
+            during_intake.append(engine.taking_in)
 
     reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
-    loop = EngineLoop(engine, collector=ShadowCollector())
+    collections = HeldCollections()
+    loop = EngineLoop(engine, collections=collections)
+    real_in_wait = loop._in_wait
+
+    def in_wait() -> None:
+        enabled_at_wait.append(gc.isenabled())  # held until the first wait for the GPU
+        real_in_wait()
+
+    loop._in_wait = in_wait  # type: ignore[method-assign]
     gc.callbacks.append(note)
     try:
         loop.start(reports.put)
         jobs = [(f"j{i}", GenerationRequest(prompt="x y", max_new_tokens=4)) for i in range(4)]
         loop.add_many(jobs)
         assert sorted(type(e).__name__ for e in collect_ends(reports, 4)) == ["JobEnded"] * 4
-        loop.add_many(jobs[:1])  # after an idle engine's collection
-        ended = collect_ends(reports, 1)
-        assert ended == [JobEnded("j0", "length", 2, 4)]
-        assert not gc.isenabled()  # while the loop runs
+        loop.add_many(jobs[:1])  # a second burst, after the engine was idle
+        assert collect_ends(reports, 1) == [JobEnded("j0", "length", 2, 4)]
         loop.stop(5)
     finally:
         gc.callbacks.remove(note)
-    assert gc.isenabled()
-    assert seen and all(thread == "exlq-engine" for thread, _ in seen)
-    assert not any(during for _, during in seen)
-    assert loop.collector is not None and loop.collector.collections == len(seen)
+    assert gc.isenabled() and not collections.held
+    # Each burst built its jobs (1,600 cyclic objects, 32 thresholds' worth) with none run.
+    assert not any(during_intake)
+    # The first wait of each burst found collections held, and gave them back.
+    assert enabled_at_wait[0] is False and True in enabled_at_wait
+    assert collections.collections >= 2 and len(during_intake) >= collections.collections
