@@ -48,10 +48,9 @@ from producer.subscriber import EventRouter
 # 3.5 ms of it (INFO commandstats, development machine), 64 jobs 0.8 ms.
 PIECE_JOBS = 32
 # The pieces of a loop pass's first PIECE_JOBS jobs: a worker offers each to its engine
-# while the SDK validates the next (docs/PERFORMANCE.md, "A burst's first piece", "A
-# burst's first slice in pieces of 8" and "The first pieces of 4"). Pieces of 4 started
-# the first step of 8- and 128-job bursts 0.6-1.1 ms sooner than pieces of 8.
-FIRST_PIECE_JOBS = 4
+# while the SDK validates the next (docs/PERFORMANCE.md, "A burst's first piece" and "A
+# burst's first slice in pieces of 8").
+FIRST_PIECE_JOBS = 8
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
 # state. KEYS[1] is the stream, KEYS[1 + i] job i's state hash; ARGV[1] the state TTL,

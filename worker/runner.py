@@ -39,7 +39,7 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 # A read's entries reach the engine in pieces of this many jobs, the size of the SDK's
-# full submit pieces (the SDK writes a burst's first piece of this size in parts of 4, which
+# full submit pieces (the SDK writes a burst's first piece of this size in parts of 8, which
 # _gather_burst reads into one): each piece is parsed, started and handed over before the
 # next is parsed, so the engine starts prefilling a burst's first slice (the admission
 # budget's 8,192 tokens hold 32 prompts of 256) while the worker takes in the rest. The
