@@ -198,6 +198,7 @@ class EngineLoop:
                 commands = self._take_commands(block=idle)
                 if idle and self.collections is not None:
                     self.collections.hold()  # a burst begins: no pause until its first wait
+                    self._held_steps = 0
                 if not self._apply(commands, outputs):
                     self._send_held()
                     return
@@ -284,7 +285,6 @@ class EngineLoop:
             self._outputs += self.engine.prepare_next_step()
         if self.collections is not None:
             self.collections.release()
-            self._held_steps = 0
 
     def _add_arrived(self) -> None:
         """Add the jobs of the add commands that have arrived, up to the first command of
@@ -392,7 +392,6 @@ class EngineLoop:
             self._held_steps += 1
             if self._held_steps >= HELD_STEPS_MAX:
                 self.collections.release()
-                self._held_steps = 0
         if seconds > SLOW_STEP_S:
             # Usually kernel compilation for a new shape, or many prefills in one iteration.
             log.warning("engine step took %.0f ms with %d jobs", seconds * 1000, jobs)

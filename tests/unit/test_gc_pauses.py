@@ -13,8 +13,8 @@ import pytest
 
 from producer.protocol import GenerationRequest
 from tests.engine_reports import collect_ends
-from worker.engine_loop import EngineLoop, StepReport
-from worker.engines.base import JobEnded
+from worker.engine_loop import HELD_STEPS_MAX, EngineLoop, StepReport
+from worker.engines.base import EngineOutput, JobEnded
 from worker.engines.echo import EchoEngine
 from worker.engines.engine_request import EngineRequest
 from worker.gc_pauses import (
@@ -162,3 +162,32 @@ def test_no_collection_pauses_a_burst_on_its_way_in_and_collecting_comes_back_af
     # The first wait of each burst found collections held, and gave them back.
     assert enabled_at_wait[0] is False and True in enabled_at_wait
     assert collections.collections >= 2 and len(during_intake) >= collections.collections
+
+
+class _NeverWaitingEngine(EchoEngine):
+    """Echo too fast to wait between steps, as a run of prefill steps never waits for the
+    GPU: notes whether collections were on at each step."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=2, tokens_per_second=1e9)
+        self.enabled_at_step: list[bool] = []
+
+    def step(self) -> list[EngineOutput]:
+        self.enabled_at_step.append(gc.isenabled())
+        return super().step()
+
+
+def test_collections_held_come_back_after_a_few_steps_that_never_wait(
+    collector_state: None,
+) -> None:
+    gc.enable()
+    engine = _NeverWaitingEngine()
+    reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
+    loop = EngineLoop(engine, collections=HeldCollections())
+    loop.start(reports.put)
+    loop.add_many([("long", GenerationRequest(prompt="x", max_new_tokens=3 * HELD_STEPS_MAX))])
+    assert collect_ends(reports, 1) == [JobEnded("long", "length", 1, 3 * HELD_STEPS_MAX)]
+    loop.stop(5)
+    held = engine.enabled_at_step[:HELD_STEPS_MAX]
+    after = engine.enabled_at_step[HELD_STEPS_MAX:]
+    assert held == [False] * HELD_STEPS_MAX and after and all(after)
