@@ -49,6 +49,21 @@ def installed_exllamav2() -> str:
     return importlib.metadata.version("exllamav2")
 
 
+def on_pinned_exllamav2(left_as_is: str) -> bool:
+    """Whether the installed exllamav2 is the pinned one; if not, a warning that says what
+    stays as exllamav2 does it (``left_as_is``) and which versions differ."""
+    installed = installed_exllamav2()
+    if installed == PINNED_EXLLAMAV2:
+        return True
+    log.warning(
+        "%s: exllamav2 %s is installed; exlq's hook is written for %s",
+        left_as_is,
+        installed,
+        PINNED_EXLLAMAV2,
+    )
+    return False
+
+
 def check_hook_points(attn_module: Any) -> None:
     """Raise EngineUnavailable unless exllamav2.attn still has what the hook replaces."""
     missing = [name for name in _REQUIRED_NAMES if not hasattr(attn_module, name)]

@@ -45,21 +45,14 @@ def move_embedding_to_gpu(model: Any) -> bool:
     left in system memory) when the model's layers are not on one GPU or the GPU is full."""
     import torch
 
-    from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
+    from worker.engines.exllamav2_attention import on_pinned_exllamav2
 
     try:
         module = embedding_module(model)
     except TypeError as exc:
         log.info("embedding table stays where it is: %s", exc)
         return False
-    installed = installed_exllamav2()
-    if installed != PINNED_EXLLAMAV2:
-        log.warning(
-            "embedding table stays in system memory: exllamav2 %s is installed; moving it is "
-            "written for %s",
-            installed,
-            PINNED_EXLLAMAV2,
-        )
+    if not on_pinned_exllamav2("embedding table stays in system memory"):
         return False
     if getattr(model, "tp_context", None) is not None:
         log.info("embedding table stays in system memory: the model is split by tensor parallelism")

@@ -33,7 +33,6 @@ generator before the GPU runs.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -43,19 +42,13 @@ import torch
 from exllamav2.ext import none_tensor
 from exllamav2.generator import ExLlamaV2DynamicGenerator
 
-from worker.engines.exllamav2_attention import (
-    PINNED_EXLLAMAV2,
-    installed_exllamav2,
-    padding_supported,
-)
+from worker.engines.exllamav2_attention import on_pinned_exllamav2, padding_supported
 from worker.engines.exllamav2_job_buffers import install_on_demand_buffers
 from worker.engines.exllamav2_job_rng import install_job_rng
 from worker.engines.exllamav2_prefill import PrefillBatcher
 from worker.engines.prefill_plan import jobs_to_start
 from worker.kernels.paged_attention import TILE_CLASS_ROWS
 from worker.kernels.sampling import sample_rows
-
-log = logging.getLogger(__name__)
 
 # ExLlamaV2DynamicGenerator asserts max_batch_size * max_q_size (8) rows fit the scratch.
 _DECODE_ROWS_PER_JOB = 8
@@ -77,14 +70,7 @@ def make_dynamic_generator(
     generator (model, cache, tokenizer, max_batch_size, ...)."""
     if not gpu_sampling and prefill_batch_tokens <= 0 and admit_prompt_tokens <= 0:
         return ExLlamaV2DynamicGenerator(**kwargs)
-    installed = installed_exllamav2()
-    if installed != PINNED_EXLLAMAV2:
-        log.warning(
-            "GPU sampling, batched prefill and the admission budget off: exllamav2 %s is "
-            "installed; exlq's generator is written for %s",
-            installed,
-            PINNED_EXLLAMAV2,
-        )
+    if not on_pinned_exllamav2("GPU sampling, batched prefill and the admission budget off"):
         return ExLlamaV2DynamicGenerator(**kwargs)
     install_on_demand_buffers()
     install_job_rng()

@@ -28,16 +28,13 @@ docs/PERFORMANCE.md).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import exllamav2.generator.dynamic as exllamav2_dynamic
 import torch
 from exllamav2.util import SeqTensor
 
-from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
-
-log = logging.getLogger(__name__)
+from worker.engines.exllamav2_attention import on_pinned_exllamav2
 
 
 def _capacity(length: int) -> int:
@@ -108,14 +105,7 @@ def install_on_demand_buffers() -> bool:
     exllamav2's own buffers) where another exllamav2 than the pinned one is installed."""
     if exllamav2_dynamic.SeqTensor is OnDemandSeqTensor:
         return True
-    installed = installed_exllamav2()
-    if installed != PINNED_EXLLAMAV2:
-        log.warning(
-            "job buffers as exllamav2 makes them: exllamav2 %s is installed; buffers on "
-            "demand are written for %s",
-            installed,
-            PINNED_EXLLAMAV2,
-        )
+    if not on_pinned_exllamav2("job buffers as exllamav2 makes them"):
         return False
     exllamav2_dynamic.SeqTensor = OnDemandSeqTensor
     return True

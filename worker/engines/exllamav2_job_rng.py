@@ -19,14 +19,11 @@ for anything else.
 from __future__ import annotations
 
 import importlib
-import logging
 import random
 from types import SimpleNamespace
 from typing import Any
 
-from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, installed_exllamav2
-
-log = logging.getLogger(__name__)
+from worker.engines.exllamav2_attention import on_pinned_exllamav2
 
 
 class JobRandom:
@@ -68,14 +65,7 @@ def install_job_rng() -> bool:
     dynamic: Any = importlib.import_module("exllamav2.generator.dynamic")
     if dynamic.random is _RANDOM_FOR_JOBS:
         return True
-    installed = installed_exllamav2()
-    if installed != PINNED_EXLLAMAV2:
-        log.warning(
-            "job generators seeded as exllamav2 seeds them: exllamav2 %s is installed; "
-            "seeding at the first draw is written for %s",
-            installed,
-            PINNED_EXLLAMAV2,
-        )
+    if not on_pinned_exllamav2("job generators seeded as exllamav2 seeds them"):
         return False
     dynamic.random = _RANDOM_FOR_JOBS
     return True
