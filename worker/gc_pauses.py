@@ -22,7 +22,7 @@ Three measures, one for each place:
   and prefilled, and their first report sent, without a pause.
 - ``collections_deferred()`` (the worker's event loop): a piece is taken in (its reads,
   parse, offers, the start script and the hand-over) with automatic collections held
-  off; what falls due runs at the first allocation after, while the engine steps.
+  off; the young collection that fell due runs at its end, while the engine prefills.
 """
 
 from __future__ import annotations
@@ -43,18 +43,6 @@ def freeze_startup_heap() -> int:
     frozen = gc.get_freeze_count()
     log.debug("start-up heap frozen: %d objects out of the collector's reach", frozen)
     return frozen
-
-
-@contextlib.contextmanager
-def collections_deferred() -> Iterator[None]:
-    """No automatic collection inside; the state before (on or off) comes back after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def due_generation() -> int | None:
@@ -98,3 +86,15 @@ class HeldCollections:
         if self._was_enabled:
             gc.enable()
         self.held = False
+
+
+@contextlib.contextmanager
+def collections_deferred() -> Iterator[None]:
+    """No automatic collection inside; after, the young collection that fell due runs and
+    the state before (on or off) comes back (HeldCollections around the block)."""
+    held = HeldCollections()
+    held.hold()
+    try:
+        yield
+    finally:
+        held.release()
