@@ -249,8 +249,9 @@ class Worker:
         offered so far meanwhile. A full piece (a read's earlier pieces are full) reads
         nothing; reclaimed entries carry no mark. A read that fails, or a stop, ends the
         wait: the jobs taken still run, and the next read meets the error. Every read sent
-        is awaited and its entries taken in, so none is left in this worker's pending
-        list unseen."""
+        is awaited and its entries taken in, unless the piece fails (a parse raises, the
+        worker is cancelled): then the read in flight is cancelled, and what Redis had
+        delivered to it stays pending for a reclaim, with the rest of the piece."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.burst_wait_ms / 1000
         taken, rest = len(piece), piece
