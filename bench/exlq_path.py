@@ -35,6 +35,8 @@ WORKER_SWITCHES: dict[str, str] = {
     "the GPU runs a step (off: between steps)",
     "offer_before_start": "the worker offers a piece's jobs to its engine as it parses them, "
     "so the engine builds them while Redis runs the start script (off: after it)",
+    "admit_before_start": "the worker starts a piece's offered jobs while Redis runs the "
+    "start script, and stops those it refuses (off: after the script)",
 }
 
 

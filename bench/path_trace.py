@@ -195,7 +195,17 @@ def _wrap_worker(trace: TraceFile) -> None:
             trace.note("read", begin=begin, n=len(entries), blocked=block_ms is not None)
         return entries
 
+    start_jobs = Broker.start_jobs
+
+    @functools.wraps(start_jobs)
+    async def traced_start_jobs(self: Any, starts: list[tuple[str, str]]) -> list[Any]:
+        begin = perf_counter()
+        decisions = await start_jobs(self, starts)
+        trace.note("start_script", begin=begin, n=len(starts))
+        return decisions
+
     Broker.read = traced_read  # type: ignore[method-assign]
+    Broker.start_jobs = traced_start_jobs  # type: ignore[method-assign]
     Worker._accept_piece = traced_accept_piece  # type: ignore[method-assign]
     Worker.commit = traced_commit  # type: ignore[method-assign]
     Worker._take_report = traced_take_report  # type: ignore[method-assign]
@@ -496,6 +506,9 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
         "reads": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("read")][:4],
         "pieces_begin": [_ms(r["t"], t0) for r in at("piece_begin")],
         "pieces_handed": [_ms(r["t"], t0) for r in at("hand_end")],
+        # the start script of each piece, [sent, answered] ms (--admit-before-start: the
+        # hand-over above comes before it)
+        "start_scripts": [[_ms(r["begin"], t0), _ms(r["t"], t0)] for r in at("start_script")][:8],
         "engine_recv": [_ms(r["t"], t0) for r in at("engine_recv")],
         "engine_apply": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("apply")],
         # --offer-before-start: parts offered (worker), received and prepared (engine), and

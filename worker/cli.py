@@ -70,6 +70,14 @@ OfferBeforeStart = Annotated[
         help="let the engine check and build a piece's jobs while Redis runs the start script",
     ),
 ]
+AdmitBeforeStart = Annotated[
+    bool | None,
+    typer.Option(
+        "--admit-before-start/--no-admit-before-start",
+        help="start a piece's offered jobs while Redis runs the start script; stop those "
+        "it refuses, unseen",
+    ),
+]
 PrefillBatchTokens = Annotated[
     int | None,
     typer.Option(
@@ -122,6 +130,7 @@ def worker(
     overlap_reports: OverlapReports = None,
     admit_in_wait: AdmitInWait = None,
     offer_before_start: OfferBeforeStart = None,
+    admit_before_start: AdmitBeforeStart = None,
     prefill_batch_tokens: PrefillBatchTokens = None,
     admit_prompt_tokens: AdmitPromptTokens = None,
     log_level: LogLevel = None,
@@ -149,6 +158,7 @@ def worker(
         overlap_reports=overlap_reports,
         admit_in_wait=admit_in_wait,
         offer_before_start=offer_before_start,
+        admit_before_start=admit_before_start,
         prefill_batch_tokens=prefill_batch_tokens,
         admit_prompt_tokens=admit_prompt_tokens,
         log_level=log_level,
@@ -175,6 +185,7 @@ def up(
     overlap_reports: OverlapReports = None,
     admit_in_wait: AdmitInWait = None,
     offer_before_start: OfferBeforeStart = None,
+    admit_before_start: AdmitBeforeStart = None,
     metrics_port: MetricsPort = None,
     echo_tokens_per_second: EchoRate = None,
     log_level: LogLevel = None,
@@ -198,6 +209,7 @@ def up(
         overlap_reports=overlap_reports,
         admit_in_wait=admit_in_wait,
         offer_before_start=offer_before_start,
+        admit_before_start=admit_before_start,
         metrics_port=metrics_port,
         echo_tokens_per_second=echo_tokens_per_second,
         log_level=log_level,

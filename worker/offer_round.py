@@ -6,7 +6,10 @@ piece only after that round trip, and then checks and builds every job before it
 step. With --offer-before-start the worker offers the jobs in parts as it parses them: the
 engine checks and builds the first part while the worker parses the rest and waits for the
 script. The verdict then goes over as one admit, which names each offered job by id and
-drops the offers the script refused.
+drops the offers the script refused. With --admit-before-start the offered jobs are
+admitted once the last part is out, before the verdict (admit_early; the worker stops the
+ones the script then refuses, worker/early_starts.py), and the admit after the script
+brings only what was not started early.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class OfferRound:
         self.enabled = enabled
         self.offered: dict[str, GenerationRequest] = {}
         self._part: list[tuple[str, GenerationRequest]] = []  # offered, not yet sent
+        self.admitted_early: set[str] = set()
 
     def offer(self, request: GenerationRequest) -> None:
         """Offer a parsed request. An id offered before in this round is not offered again:
@@ -57,8 +61,27 @@ class OfferRound:
             self.engine.offer(self.round_id, self._part)
             self._part = []
 
+    def admit_early(self, now: float) -> list[str]:
+        """Start every job offered, in order, before the start script's verdict; a job whose
+        deadline has passed is left to the script (it ends as expired). Returns the ids
+        started. The round's offers are used up: later admits bring their requests whole."""
+        if not self.enabled:
+            return []
+        self.flush()
+        started = [
+            job_id
+            for job_id, request in self.offered.items()
+            if request.deadline is None or request.deadline > now
+        ]
+        if started or self._sent:
+            self.engine.admit(self.round_id, [(job_id, None) for job_id in started])
+        self.admitted_early.update(started)
+        self.offered.clear()
+        return started
+
     def admit(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
-        """Start these jobs, in order; a job offered in this round goes by id alone."""
+        """Start these jobs, in order; a job offered in this round goes by id alone, and
+        one started early is not started again."""
         if not self.enabled:
             self.engine.add_many(jobs)
             return
@@ -66,12 +89,14 @@ class OfferRound:
         named = [
             (job_id, None if self.offered.get(job_id) is request else request)
             for job_id, request in jobs
+            if job_id not in self.admitted_early
         ]
         if named or self._sent:
             self.engine.admit(self.round_id, named)
 
     def withdraw(self) -> None:
-        """Start none of them (the start script failed: the entries stay pending in Redis)."""
+        """Start none of them (the start script failed: the entries stay pending in Redis).
+        Jobs started early are the worker's to stop."""
         if self._sent:
             self.engine.admit(self.round_id, [])
         self._part = []  # never sent

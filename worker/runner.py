@@ -27,6 +27,7 @@ from producer.protocol import (
 )
 from producer.submit_batch import PIECE_JOBS
 from worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
+from worker.early_starts import EarlyStarts
 from worker.engine_loop import EngineRunner, StepReport
 from worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
 from worker.gc_pauses import collections_deferred
@@ -77,6 +78,7 @@ class Worker:
         self._engine_dead = asyncio.Event()
         self._redis_ok = False
         self._rounds = itertools.count()  # ids of the pieces offered to the engine
+        self._early = EarlyStarts()
 
     @property
     def ready(self) -> bool:
@@ -205,12 +207,19 @@ class Worker:
                 else:
                     self._take_in(entries, batch, decoded, offers)
                 offers.flush()
+                if self.settings.admit_before_start:
+                    # The engine starts the piece now; the script's refusals stop after.
+                    now = time.time()
+                    self._early.begin(offers.admit_early(now), now)
                 admitted = await self._start_piece(batch, decoded)
             except BaseException:
                 offers.withdraw()  # the entries stay pending in Redis
+                self._early.abandon(self.engine)
                 raise
-            # One hand-over: the engine starts the jobs of one piece in the same pass.
+            # One hand-over: the engine starts the jobs of one piece in the same pass
+            # (with --admit-before-start, those not started already).
             offers.admit(admitted)
+            self._early.settle({job_id for job_id, _ in admitted}, self.engine)
         self._note_held()
         if batch:
             await self.commit(batch)
@@ -303,7 +312,7 @@ class Worker:
                 attempt=max(decision.attempt, 1),
                 channel=self.broker.keys.events(request.id),
                 enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
-                started_at=now,
+                started_at=self._early.started_at(request.id, now),
             )
             if self._start(batch, job, decision, now):
                 admitted.append((job.job_id, request))
@@ -415,6 +424,8 @@ class Worker:
             reports = [await self._reports.get()]
             while not self._reports.empty():  # coalesce steps that queued up meanwhile
                 reports.append(self._reports.get_nowait())
+            # Output of a job started before its verdict waits for it (early_starts.py).
+            await self._early.verdicts_for(reports)
             batch = Batch()
             ended: list[str] = []
             for report in reports:
@@ -437,6 +448,8 @@ class Worker:
             self.metrics.observe_step(report.step_seconds)
         self.metrics.set_cache_pages(report.cache.pages_used, report.cache.pages_total)
         for output in report.outputs:
+            if self._early.drops(output):
+                continue  # refused by the start script after the engine started it
             job = self.held.get(output.job_id)
             if job is None:
                 log.error("engine output for unknown job %s dropped", output.job_id)

@@ -69,6 +69,12 @@ class WorkerSettings(BaseSettings):
         description="offer a piece's jobs to the engine as they are parsed, so it checks and "
         "builds them while Redis runs the start script; off: the engine hears of them after it",
     )
+    admit_before_start: bool = Field(
+        True,
+        description="start a piece's offered jobs once they are all offered, while Redis "
+        "runs the start script, and stop the ones it refuses, unseen; off: the engine "
+        "starts them after the script (needs offer_before_start)",
+    )
     prefill_batch_tokens: int = Field(
         4096,
         ge=0,

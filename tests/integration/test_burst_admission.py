@@ -111,18 +111,22 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
     assert failed and result.state == "done"
 
 
-@pytest.mark.parametrize("offer_before_start", [True, False])
+@pytest.mark.parametrize(
+    ("offer_before_start", "admit_before_start"), [(True, True), (True, False), (False, False)]
+)
 async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     redis_url: str,
     queue_name: str,
     start_worker: Any,
     monkeypatch: pytest.MonkeyPatch,
     offer_before_start: bool,
+    admit_before_start: bool,
 ) -> None:
     """Each piece of a read is started and handed to the engine before the next is
     started, so the engine can prefill the first while the worker takes in the rest. With
     --offer-before-start each piece is offered in parts as it is parsed, before its start
-    script; the admit after the script names every offered job by id alone."""
+    script; the admit after the script names every offered job by id alone. With
+    --admit-before-start that admit goes before the script, once the last part is out."""
     from worker.engine_loop import EngineLoop
     from worker.offer_round import OFFER_PART
     from worker.runner import ACCEPT_PIECE
@@ -157,6 +161,7 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
         engine=CountingEngine(capacity=128),
         max_batch_size=128,
         offer_before_start=offer_before_start,
+        admit_before_start=admit_before_start,
     )
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         burst = await asyncio.gather(
@@ -164,16 +169,18 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
         )
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=30)
     assert [r.state for r in results] == ["done"] * count
-    # Accepted in pieces: each piece's offers, its start script, its hand-over.
+    # Accepted in pieces: each piece's offers, its start script and its hand-over, in the
+    # order the settings give.
     assert ACCEPT_PIECE == 32 and OFFER_PART == 8
+    last = ("add", "start") if admit_before_start else ("start", "add")
     rounds: list[list[tuple[str, int]]] = [[]]
     for kind, ids in log:
         rounds[-1].append((kind, len(ids)))
-        if kind == "add":
+        if kind == last[1]:
             rounds.append([])
     assert rounds.pop() == []
     assert [r[-2:] for r in rounds] == [
-        [("start", n), ("add", n)] for n in (ACCEPT_PIECE, ACCEPT_PIECE, 5)
+        [(last[0], n), (last[1], n)] for n in (ACCEPT_PIECE, ACCEPT_PIECE, 5)
     ]
     for piece in rounds:
         offered = [n for kind, n in piece[:-2]]

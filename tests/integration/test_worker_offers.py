@@ -4,13 +4,14 @@ start script's verdict, and runs only those the script starts."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer import AsyncProducer
-from producer.protocol import GenerationRequest
+from producer.protocol import DoneEvent, GenerationRequest, TokenEvent
 from worker.broker import Broker
 from worker.engines.echo import EchoEngine
 
@@ -34,26 +35,44 @@ class IntakeEngine(EchoEngine):
         super().add(job_id, request)
 
 
-async def test_a_job_cancelled_while_queued_is_offered_but_never_started(
-    redis_url: str, queue_name: str, start_worker: Any
+@pytest.mark.parametrize("admit_before_start", [True, False])
+async def test_a_job_cancelled_while_queued_is_offered_but_never_seen_to_run(
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    admit_before_start: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = IntakeEngine()
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         cancelled = await producer.submit("never runs", max_new_tokens=3)
         assert await cancelled.cancel() == "queued"
         runs = await producer.submit("runs", max_new_tokens=3)
-        await start_worker(engine=engine)
+        await start_worker(engine=engine, admit_before_start=admit_before_start)
+        cancelled_events = await asyncio.wait_for(_events(cancelled), timeout=10)
         results = await asyncio.wait_for(
             asyncio.gather(cancelled.result(), runs.result()), timeout=10
         )
     assert [r.state for r in results] == ["cancelled", "done"]
-    # One read took both: both were offered, the start script started one.
+    # Its subscriber saw its end alone: no token, though the engine may have started it.
+    assert [type(e).__name__ for e in cancelled_events] == ["DoneEvent"]
+    assert results[0].text == "" and results[0].usage.completion_tokens == 0
+    # One read took both: both were offered. The start script started one; with
+    # --admit-before-start the engine started both before its verdict.
     assert engine.prepared == [cancelled.id, runs.id]
-    assert engine.started == [runs.id]
+    assert engine.started == ([cancelled.id, runs.id] if admit_before_start else [runs.id])
+    # What the engine made of it before it was stopped was dropped as expected, not as
+    # output of a job the worker does not know.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.mark.parametrize("admit_before_start", [True, False])
 async def test_a_failed_start_script_withdraws_the_offers_and_the_job_runs_once_later(
-    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    admit_before_start: bool,
 ) -> None:
     real_start = Broker.start_jobs
     failed: list[bool] = []
@@ -61,17 +80,53 @@ async def test_a_failed_start_script_withdraws_the_offers_and_the_job_runs_once_
     async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
         if not failed:
             failed.append(True)
+            await asyncio.sleep(0.05)  # the engine, started early, makes output meanwhile
             raise RedisConnectionError("connection reset while starting a piece")
         return await real_start(self, jobs)
 
     monkeypatch.setattr(Broker, "start_jobs", start_jobs)
     engine = IntakeEngine()
     # The entry stays pending after the failure: a reclaim brings it back.
-    await start_worker(engine=engine, claim_idle_ms=300)
+    await start_worker(engine=engine, claim_idle_ms=300, admit_before_start=admit_before_start)
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         handle = await producer.submit("runs after a retry", max_new_tokens=3)
+        events = await asyncio.wait_for(_events(handle), timeout=20)
         result = await asyncio.wait_for(handle.result(), timeout=20)
     assert failed and result.state == "done" and result.attempts == 1
-    # Offered twice (the read, then the reclaim); started once.
+    # Its events are those of the one run the script started: nothing of the start that
+    # was stopped for want of a verdict.
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [e.seq for e in events] == list(range(len(events))) and len(tokens) == 3
+    assert "".join(t.text for t in tokens) == result.text
+    # Offered twice (the read, then the reclaim); started once, or also early the first
+    # time (then stopped).
     assert engine.prepared == [handle.id, handle.id]
+    assert engine.started == [handle.id] * (2 if admit_before_start else 1)
+
+
+async def test_output_of_a_job_started_early_waits_for_its_verdict(
+    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start script slower than the engine's first steps: the job's tokens go out after
+    the script started it, in order, with the attempt it counted."""
+    real_start = Broker.start_jobs
+
+    async def slow_start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
+        await asyncio.sleep(0.1)  # the echo engine makes 50 tokens meanwhile
+        return await real_start(self, jobs)
+
+    monkeypatch.setattr(Broker, "start_jobs", slow_start_jobs)
+    engine = IntakeEngine()
+    await start_worker(engine=engine)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("slow start", max_new_tokens=4)
+        events = await asyncio.wait_for(_events(handle), timeout=10)
+        result = await asyncio.wait_for(handle.result(), timeout=10)
     assert engine.started == [handle.id]
+    assert [e.seq for e in events] == list(range(5)) and {e.attempt for e in events} == {1}
+    assert isinstance(events[-1], DoneEvent) and result.state == "done"
+    assert result.timings.queued_s <= result.timings.first_token_s  # type: ignore[operator]
+
+
+async def _events(handle: Any) -> list[Any]:
+    return [event async for event in handle.stream()]

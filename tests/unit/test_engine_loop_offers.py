@@ -191,3 +191,36 @@ def test_a_withdrawn_round_drops_its_offers_and_a_disabled_one_hands_over_whole(
         off.offer(request)
     off.admit([(r.id, r) for r in requests])
     assert runner.calls[2:] == [("add", [(r.id, r) for r in requests])]
+
+
+def test_an_early_admit_starts_the_offered_jobs_and_the_later_admit_brings_only_the_rest() -> None:
+    runner = RecordingRunner()
+    offers = OfferRound(runner, 4)  # type: ignore[arg-type]
+    now = time.time()
+    live, expired, later = (
+        GenerationRequest(id="live", prompt="p"),
+        GenerationRequest(id="expired", prompt="p", deadline=now - 1),
+        GenerationRequest(id="later", prompt="p", deadline=now + 60),
+    )
+    for request in (live, expired, later):
+        offers.offer(request)
+    # The parts go out, then one admit names every offered job but the expired one (the
+    # start script ends it), before any verdict.
+    assert offers.admit_early(now) == ["live", "later"]
+    assert runner.calls == [
+        ("offer", 4, ["live"]),
+        ("offer", 4, ["expired", "later"]),
+        ("admit", 4, [("live", None), ("later", None)]),
+    ]
+    # The verdict's admit: what started early is not started again; a job started only
+    # now goes whole (the round's offers are used up).
+    whole = GenerationRequest(id="held-elsewhere", prompt="p")
+    offers.admit([("live", live), ("later", later), ("held-elsewhere", whole)])
+    assert runner.calls[3:] == [("admit", 4, [("held-elsewhere", whole)])]
+    offers.admit([("live", live)])
+    offers.withdraw()
+    assert len(runner.calls) == 4  # nothing more: the round is over in the engine
+
+    off = OfferRound(runner, 5, enabled=False)  # type: ignore[arg-type]
+    off.offer(live)
+    assert off.admit_early(now) == [] and len(runner.calls) == 4
