@@ -132,7 +132,6 @@ class EngineLoop:
         # from a burst's arrival at an idle engine to its first decode step's wait for the
         # GPU (gc_pauses.HeldCollections). None: CPython collects where it will.
         self.collections = collections
-        self._held_steps = 0  # steps run while collections are held, none waiting
         self._report: ReportSink = _no_sink
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
@@ -198,7 +197,6 @@ class EngineLoop:
                 commands = self._take_commands(block=idle)
                 if idle and self.collections is not None:
                     self.collections.hold()  # a burst begins: no pause until its first wait
-                    self._held_steps = 0
                 if not self._apply(commands, outputs):
                     self._send_held()
                     return
@@ -387,11 +385,9 @@ class EngineLoop:
                 JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
             )
         seconds = time.perf_counter() - started
-        if self.collections is not None and self.collections.held:
+        if self.collections is not None:
             # Steps that never wait (prefills, an engine without waits) end the hold too.
-            self._held_steps += 1
-            if self._held_steps >= HELD_STEPS_MAX:
-                self.collections.release()
+            self.collections.step_ran(HELD_STEPS_MAX)
         if seconds > SLOW_STEP_S:
             # Usually kernel compilation for a new shape, or many prefills in one iteration.
             log.warning("engine step took %.0f ms with %d jobs", seconds * 1000, jobs)

@@ -68,13 +68,23 @@ class HeldCollections:
     def __init__(self) -> None:
         self._was_enabled = False
         self.held = False
+        self.steps = 0  # steps run since the hold began
         self.collections = 0  # young collections run by release(), for tests and logs
 
     def hold(self) -> None:
+        """Hold collections off; a hold already on starts its count of steps again."""
+        self.steps = 0
         if not self.held:
             self._was_enabled = gc.isenabled()
             gc.disable()
             self.held = True
+
+    def step_ran(self, most: int) -> None:
+        """A step ran while held: after ``most`` of them, release."""
+        if self.held:
+            self.steps += 1
+            if self.steps >= most:
+                self.release()
 
     def release(self) -> None:
         if not self.held:

@@ -191,3 +191,18 @@ def test_collections_held_come_back_after_a_few_steps_that_never_wait(
     held = engine.enabled_at_step[:HELD_STEPS_MAX]
     after = engine.enabled_at_step[HELD_STEPS_MAX:]
     assert held == [False] * HELD_STEPS_MAX and after and all(after)
+
+
+def test_a_hold_gives_collecting_back_after_its_most_steps_counted_from_each_hold(
+    collector_state: None,
+) -> None:
+    gc.enable()
+    held = HeldCollections()
+    held.step_ran(2)  # not held: nothing counts
+    held.hold()
+    held.step_ran(2)
+    held.hold()  # a new burst on a hold still on: its count starts again
+    held.step_ran(2)
+    assert held.held and not gc.isenabled()
+    held.step_ran(2)
+    assert not held.held and gc.isenabled()
