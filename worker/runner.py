@@ -424,8 +424,8 @@ class Worker:
             reports = [await self._reports.get()]
             while not self._reports.empty():  # coalesce steps that queued up meanwhile
                 reports.append(self._reports.get_nowait())
-            # Output of a job started before its verdict waits for it (early_starts.py).
-            await self._early.verdicts_for(reports)
+            if self._early.waiting:  # output of a job started early waits for its verdict
+                await self._early.verdicts_for(reports)
             batch = Batch()
             ended: list[str] = []
             for report in reports:
@@ -447,9 +447,12 @@ class Worker:
         if report.step_seconds is not None:
             self.metrics.observe_step(report.step_seconds)
         self.metrics.set_cache_pages(report.cache.pages_used, report.cache.pages_total)
+        # Output of jobs the start script refused after the engine started them is dropped;
+        # the check costs the per-token path nothing while there are none.
+        drops = self._early.drops if self._early.dropping else None
         for output in report.outputs:
-            if self._early.drops(output):
-                continue  # refused by the start script after the engine started it
+            if drops is not None and drops(output):
+                continue
             job = self.held.get(output.job_id)
             if job is None:
                 log.error("engine output for unknown job %s dropped", output.job_id)
