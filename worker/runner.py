@@ -79,6 +79,11 @@ class Worker:
         self._redis_ok = False
         self._rounds = itertools.count()  # ids of the pieces offered to the engine
         self._early = EarlyStarts()
+        # One piece is taken in at a time, the read loop's or a reclaim's: a reclaim while
+        # a read's piece waits for its start script would settle that piece's early starts
+        # with its own verdict (early_starts.py), and could take back its entries, idle
+        # until the worker holds them.
+        self._intake = asyncio.Lock()
 
     @property
     def ready(self) -> bool:
@@ -175,7 +180,8 @@ class Worker:
                     with contextlib.suppress(RedisError):
                         entries += await self.broker.read(room, None)
                 if entries:
-                    await self.accept(entries)
+                    async with self._intake:
+                        await self.accept(entries)
                 failures = 0
                 self.set_redis_ok(True)
             except RedisError as exc:
@@ -185,9 +191,23 @@ class Worker:
                 log.warning("reading from Redis failed (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
 
+    async def reclaim(self) -> None:
+        """Take over entries whose worker stopped renewing them, as slots allow. An entry
+        this worker holds (its renewal came late) is its own already: it is not started
+        again."""
+        async with self._intake:
+            if self.stop_reading.is_set() or self.free_slots <= 0:
+                return
+            entries = await self.broker.reclaim(self.free_slots, self.settings.claim_idle_ms)
+            held = {job.entry_id for job in self.held.values()}
+            taken = [entry for entry in entries if entry.entry_id not in held]
+            if taken:
+                log.info("took over %d entries from stopped workers", len(taken))
+                await self.accept(taken)
+
     async def accept(self, entries: list[StreamEntry]) -> None:
         """Entries this worker now owns (read or reclaimed): reject, skip, end or run each,
-        in pieces of ACCEPT_PIECE, in order."""
+        in pieces of ACCEPT_PIECE, in order. The caller holds ``_intake``."""
         for start in range(0, len(entries), ACCEPT_PIECE):
             await self._accept_piece(entries[start : start + ACCEPT_PIECE])
 

@@ -74,13 +74,7 @@ class Upkeep:
 
     async def reclaim(self) -> None:
         """Take over entries whose worker stopped renewing them, as slots allow."""
-        worker = self.worker
-        if worker.stop_reading.is_set() or worker.free_slots <= 0:
-            return
-        entries = await worker.broker.reclaim(worker.free_slots, worker.settings.claim_idle_ms)
-        if entries:
-            log.info("took over %d entries from stopped workers", len(entries))
-            await worker.accept(entries)
+        await self.worker.reclaim()
 
     async def poll_cancels(self) -> None:
         """Cancellation flags, in case the pub/sub message was missed."""

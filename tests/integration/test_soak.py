@@ -49,8 +49,13 @@ def start(redis_url: str, queue: str) -> subprocess.Popen[str]:
 
 
 async def count_done_events(
-    client: aioredis.Redis, done: Counter[str], ready: asyncio.Event
+    client: aioredis.Redis,
+    done: Counter[str],
+    seen: dict[str, list[str]],
+    ready: asyncio.Event,
 ) -> None:
+    """Count each job's done events; keep every event's (type, attempt, seq) in ``seen``,
+    to show what a job that never ended was sent."""
     pubsub = client.pubsub()
     await pubsub.psubscribe("exlq:out:*")
     ready.set()
@@ -58,6 +63,9 @@ async def count_done_events(
         async for message in pubsub.listen():
             if message["type"] == "pmessage":
                 event = json.loads(message["data"])
+                seen.setdefault(event["id"], []).append(
+                    f"{event['type']}@{event['attempt']}.{event['seq']}"
+                )
                 if event["type"] == "done":
                     done[event["id"]] += 1
     finally:
@@ -92,8 +100,9 @@ async def test_soak_every_job_exactly_one_result_and_memory_returns(
     keys = QueueKeys(queue_name)
     listener = aioredis.Redis.from_url(redis_url)
     done_events: Counter[str] = Counter()
+    seen: dict[str, list[str]] = {}
     listening = asyncio.Event()
-    counter = asyncio.create_task(count_done_events(listener, done_events, listening))
+    counter = asyncio.create_task(count_done_events(listener, done_events, seen, listening))
     await listening.wait()
     start_memory = await used_memory(redis_client)
     peak_memory = start_memory
@@ -111,7 +120,10 @@ async def test_soak_every_job_exactly_one_result_and_memory_returns(
             ]
 
             async def finish(handle: Any) -> Any:
-                return await handle.result(timeout=240)
+                try:
+                    return await handle.result(timeout=240)
+                except TimeoutError:
+                    return None  # reported below, with the events its job was sent
 
             pending = [asyncio.create_task(finish(h)) for h in handles]
             while not all(task.done() for task in pending):
@@ -120,6 +132,10 @@ async def test_soak_every_job_exactly_one_result_and_memory_returns(
             stop_chaos.set()
             await chaos_task
             results = [task.result() for task in pending]
+            hung = [h.id for h, r in zip(handles, results, strict=True) if r is None]
+            assert not hung, f"{len(hung)} handles never ended: " + "; ".join(
+                f"{job_id}: {' '.join(seen.get(job_id, []))}" for job_id in hung[:5]
+            )
         await asyncio.sleep(0.5)  # the last done events reach the listener
         lost = sum(1 for r in results if r.state != "done")
         rerun = sum(1 for r in results if r.attempts > 1)

@@ -11,6 +11,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer import AsyncProducer
+from producer.keys import CONSUMER_GROUP, QueueKeys
 from producer.protocol import DoneEvent, GenerationRequest, TokenEvent
 from worker.broker import Broker
 from worker.engines.echo import EchoEngine
@@ -126,6 +127,50 @@ async def test_output_of_a_job_started_early_waits_for_its_verdict(
     assert [e.seq for e in events] == list(range(5)) and {e.attempt for e in events} == {1}
     assert isinstance(events[-1], DoneEvent) and result.state == "done"
     assert result.timings.queued_s <= result.timings.first_token_s  # type: ignore[operator]
+
+
+async def test_a_reclaim_due_while_a_read_waits_for_its_verdict_stops_neither_piece(
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    redis_client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reclaim falls due while a piece waits for its slow start script. One piece at a
+    time: the other's verdict must not stop the jobs started early, nor may the reclaim
+    take the waiting piece's own entries back. Every job runs once and ends."""
+    real_start = Broker.start_jobs
+    calls: list[list[str]] = []
+
+    async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
+        calls.append([job_id for job_id, _ in jobs])
+        if len(calls) == 1:
+            await asyncio.sleep(0.3)  # the other piece is due meanwhile
+        return await real_start(self, jobs)
+
+    monkeypatch.setattr(Broker, "start_jobs", start_jobs)
+    keys = QueueKeys(queue_name)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        # A worker that read this one, then stopped: a reclaim brings it back.
+        abandoned = await producer.submit("abandoned", max_new_tokens=3)
+        await redis_client.xgroup_create(keys.jobs, CONSUMER_GROUP, id="0")
+        assert await redis_client.xreadgroup(CONSUMER_GROUP, "gone", {keys.jobs: ">"}, count=1)
+        await asyncio.sleep(0.5)
+        fresh = await producer.submit("fresh", max_new_tokens=3)
+        engine = IntakeEngine()
+        await start_worker(engine=engine, claim_idle_ms=450, admit_before_start=True)
+        results = await asyncio.wait_for(
+            asyncio.gather(abandoned.result(), fresh.result()), timeout=10
+        )
+    assert sorted(calls) == sorted([[abandoned.id], [fresh.id]])
+    assert [(r.state, r.text) for r in results] == [
+        ("done", " abandoned" * 3),
+        ("done", " fresh" * 3),
+    ]
+    assert [r.attempts for r in results] == [1, 1]  # "gone" never started its entry
+    assert sorted(engine.started) == sorted([abandoned.id, fresh.id])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def _events(handle: Any) -> list[Any]:
