@@ -53,14 +53,20 @@ end
 return lost
 """
 
-# Renew this worker's claim on entries it still owns (resets their idle time), and report
-# the ones another worker has taken: never take an entry back from its new owner.
+# Renew this worker's claim on entries it still owns (resets their idle time) and the TTL
+# of their jobs' state hashes, and report the ones another worker has taken: never take an
+# entry back from its new owner. The start script gives a job's hash the result TTL; a run
+# longer than that would lose the hash mid-run, and with it the cancel flag and the count
+# of attempts (a retry would count from 1 again, and subscribers would drop its events as
+# an earlier attempt's). KEYS[1] is the jobs stream, KEYS[1 + i] job i's hash; ARGV: group,
+# consumer, state TTL, then entry i at ARGV[3 + i].
 _RENEW_LUA = """
 local lost = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local owner = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
   if owner ~= nil and owner[2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    redis.call('EXPIRE', KEYS[i - 2], ARGV[3])
   else
     table.insert(lost, ARGV[i])
   end
@@ -267,12 +273,14 @@ class Broker:
         )
         return [entry.decode() for entry in lost]
 
-    async def renew(self, entry_ids: list[str]) -> list[str]:
-        """Reset the idle time of entries this worker runs; returns those it lost."""
-        if not entry_ids:
+    async def renew(self, jobs: list[tuple[str, str]]) -> list[str]:
+        """Reset the idle time of the entries this worker runs, given as (job_id,
+        entry_id), and the TTL of their jobs' state; returns the entries it lost."""
+        if not jobs:
             return []
         lost = await self._renew(
-            keys=[self.keys.jobs], args=[CONSUMER_GROUP, self.consumer, *entry_ids]
+            keys=[self.keys.jobs, *(self.keys.job(job_id) for job_id, _ in jobs)],
+            args=[CONSUMER_GROUP, self.consumer, self.result_ttl_s, *(e for _, e in jobs)],
         )
         return [entry.decode() for entry in lost]
 

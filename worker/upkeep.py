@@ -66,7 +66,7 @@ class Upkeep:
 
     async def renew_claims(self) -> None:
         """Keep the entries this worker runs from looking abandoned, however long they run."""
-        held = [job.entry_id for job in self.worker.held.values() if not job.lost]
+        held = [(job.job_id, job.entry_id) for job in self.worker.held.values() if not job.lost]
         lost = await self.worker.broker.renew(held)
         self.worker.set_redis_ok(True)
         if lost:
