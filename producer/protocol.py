@@ -103,6 +103,10 @@ class GenerationRequest(WireModel):
     )
     metadata: dict[str, JsonValue] | None = None
 
+    def past_deadline(self, now: float) -> bool:
+        """Whether the job's deadline (if any) has passed at Unix time ``now``."""
+        return self.deadline is not None and self.deadline <= now
+
     @field_validator("v", mode="before")
     @classmethod
     def _integer_version(cls, value: object) -> object:

@@ -69,9 +69,7 @@ class OfferRound:
             return []
         self.flush()
         started = [
-            job_id
-            for job_id, request in self.offered.items()
-            if request.deadline is None or request.deadline > now
+            job_id for job_id, request in self.offered.items() if not request.past_deadline(now)
         ]
         if started or self._sent:
             self.engine.admit(self.round_id, [(job_id, None) for job_id in started])

@@ -371,8 +371,7 @@ class Worker:
             )
             self._fail(batch, job, JobErrored(job.job_id, "too_many_attempts", message), now)
             return False
-        deadline = job.request.deadline
-        if decision.verdict == "cancel" or (deadline is not None and deadline <= now):
+        if decision.verdict == "cancel" or job.request.past_deadline(now):
             reason: FinishReason = "cancelled" if decision.verdict == "cancel" else "expired"
             self._finish(batch, job, JobEnded(job.job_id, reason, 0, 0), now)
             return False

@@ -60,8 +60,7 @@ class Upkeep:
     def expire_overdue(self) -> None:
         now = time.time()
         for job in list(self.worker.held.values()):
-            deadline = job.request.deadline
-            if deadline is not None and deadline <= now:
+            if job.request.past_deadline(now):
                 self.worker.cancel(job.job_id, reason="expired")
 
     async def renew_claims(self) -> None:
