@@ -34,7 +34,7 @@ class Upkeep:
         settings = worker.settings
         self._duties = [
             _Every(settings.claim_renew_seconds, self.renew_claims),
-            _Every(max(settings.claim_idle_ms / 1000 / 2, TICK_S), self.reclaim),
+            _Every(max(settings.claim_idle_ms / 1000 / 2, TICK_S), worker.reclaim),
             _Every(CANCEL_POLL_S, self.poll_cancels),
             _Every(settings.heartbeat_seconds, self.heartbeat),
             _Every(settings.trim_interval_seconds, self.trim),
@@ -70,10 +70,6 @@ class Upkeep:
         self.worker.set_redis_ok(True)
         if lost:
             self.worker.drop_lost(lost)
-
-    async def reclaim(self) -> None:
-        """Take over entries whose worker stopped renewing them, as slots allow."""
-        await self.worker.reclaim()
 
     async def poll_cancels(self) -> None:
         """Cancellation flags, in case the pub/sub message was missed."""
