@@ -9,6 +9,11 @@ is then stopped in the engine, and whatever it made is dropped unseen: no event,
 metric, nothing in Redis. A job's events still go out only after the script started it:
 a report that carries output of a job still waiting for its verdict waits with it.
 
+The starts of one piece at a time: the worker takes its pieces in one by one
+(Worker._intake), and the verdict settles every job still waiting, so a second piece's
+begin before the first's verdict is a fault, raised as one (two pieces once shared these
+sets, and the first verdict stopped the other's jobs).
+
 Every job the engine starts ends with exactly one end output (JobEnded or JobErrored,
 a cancel's included), and reports arrive in order, so a refused job's output is dropped
 up to and including its end, and output of the same id after that is a later start's.
@@ -35,6 +40,8 @@ class EarlyStarts:
 
     def begin(self, job_ids: Iterable[str], now: float) -> None:
         """The engine was told to start these ahead of their verdict, at ``now``."""
+        if self.waiting:
+            raise RuntimeError("a piece's early starts began while another's wait for a verdict")
         self.waiting.update(job_ids)
         self.begun_at = now
         if self.waiting:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from worker.early_starts import EarlyStarts
 from worker.engine_loop import StepReport
 from worker.engines.base import CacheUsage, JobEnded, JobErrored, TokenChunk
@@ -60,3 +62,13 @@ async def test_output_of_a_waiting_job_waits_for_the_verdict_and_others_do_not()
     early.settle({"waiting"}, engine)  # type: ignore[arg-type]
     await asyncio.wait_for(blocked, 1)
     assert engine.cancelled == []
+
+
+def test_a_second_piece_cannot_begin_before_the_first_is_settled() -> None:
+    early, engine = EarlyStarts(), CancelRecorder()
+    early.begin(["first"], now=1.0)
+    with pytest.raises(RuntimeError, match="another's wait"):
+        early.begin(["second"], now=2.0)
+    early.settle({"first"}, engine)  # type: ignore[arg-type]
+    early.begin(["second"], now=3.0)
+    assert early.waiting == {"second"} and engine.cancelled == []
