@@ -2,7 +2,8 @@
 
   bare     ExLlamaV2DynamicGenerator.iterate() in a loop (what bench (a) times)
   engine   ExLlamaV2Engine.step() in a loop on the calling thread (our wrapper, no threads)
-  thread   EngineLoop: the engine on a thread of its own, reports to a callback
+  thread   EngineLoop: the engine on a thread of its own, reports to a callback, set up as
+           the engine process sets it up (EngineLoop.for_settings, collections held)
   process  EngineProcess: the engine in a spawned process, reports over a pipe
 
 The first three share one loaded generator, so their settings are identical; the process
@@ -29,7 +30,9 @@ from typing import Any
 from bench.baselines import random_prompt_ids
 from producer.protocol import GenerationRequest
 from worker.engine_loop import EngineLoop, StepReport
+from worker.engine_process import encode_report
 from worker.engines.base import JobEnded
+from worker.gc_pauses import HeldCollections
 from worker.settings import WorkerSettings
 
 
@@ -94,7 +97,7 @@ def run_bare(engine: Any, requests: list[Any]) -> Result:
 
 def run_engine(engine: Any, requests: list[Any]) -> Result:
     """Also splits each step: time inside iterate(), and the wrapper's own (outputs built,
-    cache usage read, the report pickled as EngineProcess sends it)."""
+    cache usage read, the report encoded and pickled as EngineProcess sends it)."""
     steps: list[float] = []
     tokens = 0
     inner: list[float] = []
@@ -114,11 +117,10 @@ def run_engine(engine: Any, requests: list[Any]) -> Result:
         while engine.active_jobs:
             t = time.perf_counter()
             outputs = engine.step()
-            pickle.dumps(
-                StepReport(
-                    outputs, time.perf_counter() - t, engine.active_jobs, engine.cache_usage()
-                )
+            report = StepReport(
+                outputs, time.perf_counter() - t, engine.active_jobs, engine.cache_usage()
             )
+            pickle.dumps(("report", encode_report(report)))
             steps.append(time.perf_counter() - t)
             tokens += sum(o.completion_tokens for o in outputs if isinstance(o, JobEnded))
     finally:
@@ -204,7 +206,8 @@ class Layers:
         from worker.engines.exllamav2_engine import load_exllamav2_engine
 
         engine = load_exllamav2_engine(self.settings)
-        thread = RunnerDriver(EngineLoop(engine))
+        # As the engine process runs it: the worker's settings, collections held per burst.
+        thread = RunnerDriver(EngineLoop.for_settings(engine, self.settings, HeldCollections()))
         runs: dict[str, Callable[[list[Any]], Result]] = {
             "bare": lambda r: run_bare(engine, r),
             "engine": lambda r: run_engine(engine, r),
