@@ -9,10 +9,13 @@
            wait, no collections held): what the wait work costs the step
   process  EngineProcess: the engine in a spawned process, reports over a pipe
 
-The first four share one loaded generator, so their settings are identical; the process
-loads its own with the same settings. Every layer runs once per repeat, in turn, so the
-machine's drift falls on each alike. No Redis anywhere: what is left between `process` and
-bench (b) is the worker's Redis and pub/sub path.
+Every layer but `process` shares one loaded generator, so their settings are identical,
+and starts on an emptied page table, as the process's own generator meets each repeat's
+new prompts (--keep-cache: a layer finds the prompts of the layers before it cached); the
+process loads its own with the same settings. Every layer runs once per repeat, the order
+turning by one each repeat, so the machine's drift falls on each alike. No Redis
+anywhere: what is left between `process` and bench (b) is the worker's Redis and pub/sub
+path.
 
 With --cpu N, each layer's stepping thread runs on CPU N and every other thread of the
 bench (and of the engine process, which runs on N whole) elsewhere, so that the layers do
