@@ -246,10 +246,16 @@ def _with_fresh_cache(
     return fresh
 
 
-def _pin_process(pid: int, cpus: frozenset[int]) -> None:
-    """Every thread of process ``pid`` on ``cpus``."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
+def _pinned(
+    cpus: frozenset[int] | None, run: Callable[[list[Any]], Result]
+) -> Callable[[list[Any]], Result]:
+    """``run`` on the calling thread, moved to ``cpus`` for the call."""
+
+    def call(requests: list[Any]) -> Result:
+        with on_cpus(cpus):
+            return run(requests)
+
+    return call
 
 
 LAYERS = ("bare", "barethread", "engine", "thread", "nowait", "process")
@@ -308,19 +314,10 @@ class Layers:
         """The layers that share the loaded ``engine``, each on a page table emptied first
         (unless --keep-cache), its stepping thread on --cpu if given."""
         cpus = self.stepper_cpus
-
-        def bare(r: list[Any]) -> Result:
-            with on_cpus(cpus):
-                return run_bare(engine, r)
-
-        def wrapped(r: list[Any]) -> Result:
-            with on_cpus(cpus):
-                return run_engine(engine, r)
-
         runs: dict[str, Callable[[list[Any]], Result]] = {
-            "bare": bare,
+            "bare": _pinned(cpus, lambda r: run_bare(engine, r)),
             "barethread": lambda r: _on_thread(lambda: run_bare(engine, r), cpus),
-            "engine": wrapped,
+            "engine": _pinned(cpus, lambda r: run_engine(engine, r)),
             # One loop drives the engine at a time: each gives its wait work back when it
             # stops, so the loops are made and stopped per run.
             "thread": lambda r: _loop_run(
@@ -338,23 +335,20 @@ class Layers:
         from worker.engines.exllamav2_engine import load_exllamav2_engine
 
         process = EngineProcess(self.settings) if "process" in self.layers else None
-        drivers: list[RunnerDriver] = []
         engine = None
         try:
             runs: dict[str, Callable[[list[Any]], Result]] = {}
-            cpus = self.stepper_cpus
             if process is not None:
-                process.load()
+                # Spawned on --cpu, the engine process runs there whole (it inherits the
+                # CPUs); the relay thread RunnerDriver starts here stays off them.
+                with on_cpus(self.stepper_cpus):
+                    process.load()
                 assert process.pid is not None
                 self.child_pid = process.pid
-                if cpus is not None:
-                    _pin_process(process.pid, cpus)
-                drivers.append(RunnerDriver(process))
+                runs["process"] = RunnerDriver(process).run
             if set(self.layers) - {"process"}:
                 engine = load_exllamav2_engine(self.settings)
                 runs.update(self._in_process_runs(engine))
-            if process is not None:
-                runs["process"] = drivers[0].run
             chosen = {layer: runs[layer] for layer in self.layers}
             for n in self.counts:
                 self._batches(n, chosen)
@@ -367,6 +361,11 @@ class Layers:
 
     def summary(self) -> dict[str, dict[str, float]]:
         out = {}
+        # Per job count, the bare runs by repeat: each run's period is set against its own.
+        bare_runs: dict[int, dict[int, dict[str, Any]]] = {}
+        for r in self.rows:
+            if r["layer"] == "bare":
+                bare_runs.setdefault(r["jobs"], {})[r["repeat"]] = r
         for layer, n in dict.fromkeys((r["layer"], r["jobs"]) for r in self.rows):
             mine = [r for r in self.rows if r["layer"] == layer and r["jobs"] == n]
             out[f"{layer}@{n}"] = {
@@ -377,8 +376,7 @@ class Layers:
                 # layer's own cost at the better one.
                 "period_ms_min": min(r["period_ms_median"] for r in mine),
             }
-            # Each run's period against the bare run's of the same repeat.
-            bare = {r["repeat"]: r for r in self.rows if r["layer"] == "bare" and r["jobs"] == n}
+            bare = bare_runs.get(n, {})
             ratios = [
                 r["period_ms_median"] / bare[r["repeat"]]["period_ms_median"]
                 for r in mine
