@@ -168,20 +168,13 @@ class Worker:
                 continue
             try:
                 entries = await self.broker.read(self.free_slots, self.settings.read_block_ms)
-                room = self.free_slots - len(entries)
-                if entries and room > 0 and len(entries) < ACCEPT_PIECE and not entries[-1].more:
-                    # A blocked read returns on the first entry of a burst, and slots may
-                    # have been freed while it waited: take the rest that has landed
-                    # since, so the engine starts the burst in one pass. A full piece
-                    # goes to the engine first (the next read takes what is behind it).
-                    # If that fails, the entries already read still run; the next read
-                    # meets the error. A burst that says more follows is gathered while its
-                    # first jobs are offered (_gather_burst).
-                    with contextlib.suppress(RedisError):
-                        entries += await self.broker.read(room, None)
                 if entries:
+                    # A blocked read returns on the first entry of a burst, and slots may
+                    # have been freed while it waited: the rest that has landed since is
+                    # read into the same piece, so the engine starts the burst in one
+                    # pass (_gather_burst; that read goes out before the worker parses).
                     async with self._intake:
-                        await self.accept(entries)
+                        await self.accept(entries, read_behind=True)
                 failures = 0
                 self.set_redis_ok(True)
             except RedisError as exc:
@@ -205,13 +198,16 @@ class Worker:
                 log.info("took over %d entries from stopped workers", len(taken))
                 await self.accept(taken)
 
-    async def accept(self, entries: list[StreamEntry]) -> None:
+    async def accept(self, entries: list[StreamEntry], read_behind: bool = False) -> None:
         """Entries this worker now owns (read or reclaimed): reject, skip, end or run each,
-        in pieces of ACCEPT_PIECE, in order. The caller holds ``_intake``."""
+        in pieces of ACCEPT_PIECE, in order. ``read_behind``: entries a read returned, whose
+        piece, if not full, takes in what landed behind them. The caller holds
+        ``_intake``."""
         for start in range(0, len(entries), ACCEPT_PIECE):
-            await self._accept_piece(entries[start : start + ACCEPT_PIECE])
+            piece = entries[start : start + ACCEPT_PIECE]
+            await self._accept_piece(piece, read_behind and len(piece) < ACCEPT_PIECE)
 
-    async def _accept_piece(self, entries: list[StreamEntry]) -> None:
+    async def _accept_piece(self, entries: list[StreamEntry], read_behind: bool = False) -> None:
         batch = Batch()
         decoded: list[tuple[StreamEntry, GenerationRequest]] = []
         # With --offer-before-start the engine readies the piece's jobs while the worker
@@ -222,7 +218,7 @@ class Worker:
         # runs after the hand-over, while the engine steps.
         with collections_deferred():
             try:
-                if entries[-1].more:
+                if entries[-1].more or read_behind:
                     await self._gather_burst(entries, batch, decoded, offers)
                 else:
                     self._take_in(entries, batch, decoded, offers)
@@ -271,20 +267,23 @@ class Worker:
         decoded: list[tuple[StreamEntry, GenerationRequest]],
         offers: OfferRound,
     ) -> None:
-        """The piece's last entry says more of its burst follows: take it in, and read the
-        rest into the piece, up to its full size and the free slots, for at most
-        burst_wait_ms. Each read goes out before the worker parses what the last one
-        brought, so Redis answers while the worker parses, and the engine readies the jobs
-        offered so far meanwhile. A full piece (a read's earlier pieces are full) reads
-        nothing; reclaimed entries carry no mark. A read that fails, or a stop, ends the
-        wait: the jobs taken still run, and the next read meets the error. Every read sent
-        is awaited and its entries taken in, unless the piece fails (a parse raises, the
-        worker is cancelled): then the read in flight is cancelled, and what Redis had
-        delivered to it stays pending for a reclaim, with the rest of the piece."""
+        """Take the piece in, and read what lands behind it into the piece, up to its full
+        size and the free slots. The piece's last entry says more of its burst follows:
+        each read blocks, and the wait ends after burst_wait_ms. Otherwise (a read's piece
+        that is not full) one read takes what has landed, without blocking. Each read goes
+        out before the worker parses what the last one brought, so Redis answers while the
+        worker parses, and the engine readies the jobs offered so far meanwhile; a read
+        whose last entry says more is followed by a blocking one. A full piece (a read's
+        earlier pieces are full) reads nothing; reclaimed entries carry no mark. A read
+        that fails, or a stop, ends the wait: the jobs taken still run, and the next read
+        meets the error. Every read sent is awaited and its entries taken in, unless the
+        piece fails (a parse raises, the worker is cancelled): then the read in flight is
+        cancelled, and what Redis had delivered to it stays pending for a reclaim, with the
+        rest of the piece."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.burst_wait_ms / 1000
         taken, rest = len(piece), piece
-        read = await self._read_ahead(taken, deadline)
+        read = await self._read_ahead(taken, deadline, block=piece[-1].more)
         try:
             while True:
                 self._take_in(rest, batch, decoded, offers)
@@ -304,14 +303,19 @@ class Worker:
                 read.cancel()
 
     async def _read_ahead(
-        self, taken: int, deadline: float
+        self, taken: int, deadline: float, block: bool = True
     ) -> asyncio.Task[list[StreamEntry]] | None:
-        """Send the read for the rest of a burst of which ``taken`` entries are in hand;
-        None when the piece is full, the wait is over or the worker stops reading."""
+        """Send the read for the rest of a piece of which ``taken`` entries are in hand
+        (``block``: waiting until ``deadline``, else only what has landed); None when the
+        piece is full, the wait is over or the worker stops reading."""
         room = min(ACCEPT_PIECE, self.free_slots) - taken
-        wait_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
-        if room <= 0 or wait_ms < 1 or self.stop_reading.is_set():  # BLOCK 0: for ever
+        if room <= 0 or self.stop_reading.is_set():
             return None
+        wait_ms: int | None = None
+        if block:
+            wait_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
+            if wait_ms < 1:  # BLOCK 0 would wait for ever
+                return None
         return await started_task(self.broker.read(room, wait_ms), name="exlq-burst-read")
 
     async def _start_piece(

@@ -373,3 +373,51 @@ async def test_the_read_for_a_bursts_rest_goes_out_before_the_worker_parses_what
         "parse p-1",
         "parse p-2",
     ]
+
+
+async def test_the_read_for_what_landed_behind_an_unmarked_read_goes_out_before_the_parse(
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    redis_client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read that brings less than a piece, its last entry unmarked (a producer without
+    the SDK, or a burst's last piece), takes in what landed behind it with one more read
+    that does not block. That read is sent before the worker parses what it has, so its
+    round trip is not on the first job's way to the engine; the entries it brings join the
+    same engine step."""
+    from worker.runner import Worker
+
+    keys = QueueKeys(queue_name)
+    log: list[str] = []
+    real_read, real_decode = Broker.read, Worker._decode
+    landed = asyncio.Event()
+
+    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+        log.append("read sent" if block_ms is None else "blocked read sent")
+        entries = await real_read(self, count, block_ms)
+        ids = [json.loads(e.payload or b"{}")["id"] for e in entries]
+        log.extend(f"read {job_id}" for job_id in ids)
+        if ids == ["u-0"]:
+            # What a second producer writes while the worker's read returns.
+            await _xadd(redis_client, keys, "u-1", more=False)
+            landed.set()
+        return entries
+
+    def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
+        request = real_decode(self, entry)
+        log.append(f"parse {request.id}")
+        return request
+
+    monkeypatch.setattr(Broker, "read", read)
+    monkeypatch.setattr(Worker, "_decode", decode)
+    engine = CountingEngine(capacity=16)
+    await start_worker(engine=engine, max_batch_size=16, burst_wait_ms=5000)
+    await _xadd(redis_client, keys, "u-0", more=False)
+    results = await _results(redis_client, keys, ["u-0", "u-1"])
+    assert landed.is_set()
+    assert [r.state for r in results] == ["done"] * 2
+    assert next(n for n in engine.jobs_per_step if n) == 2
+    first = log.index("read u-0")
+    assert log[first + 1 : first + 5] == ["read sent", "parse u-0", "read u-1", "parse u-1"]
