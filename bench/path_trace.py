@@ -131,10 +131,18 @@ def _wrap_worker(trace: TraceFile) -> None:
     accept_piece = Worker._accept_piece
 
     @functools.wraps(accept_piece)
-    async def traced_accept_piece(self: Any, entries: list[Any]) -> None:
+    async def traced_accept_piece(self: Any, entries: list[Any], *args: Any) -> None:
         trace.note("piece_begin", n=len(entries))
-        await accept_piece(self, entries)
+        await accept_piece(self, entries, *args)
         trace.note("piece_end")
+
+    decode = Worker._decode
+
+    @functools.wraps(decode)
+    def traced_decode(self: Any, entry: Any) -> Any:
+        request = decode(self, entry)
+        trace.note("parsed")
+        return request
 
     commit = Worker.commit
 
@@ -191,7 +199,7 @@ def _wrap_worker(trace: TraceFile) -> None:
     async def traced_read(self: Any, count: int, block_ms: int | None) -> list[Any]:
         begin = perf_counter()
         entries = await read(self, count, block_ms)
-        if entries:
+        if entries or block_ms is None:  # a read that does not block: even when empty
             trace.note("read", begin=begin, n=len(entries), blocked=block_ms is not None)
         return entries
 
@@ -207,6 +215,7 @@ def _wrap_worker(trace: TraceFile) -> None:
     Broker.read = traced_read  # type: ignore[method-assign]
     Broker.start_jobs = traced_start_jobs  # type: ignore[method-assign]
     Worker._accept_piece = traced_accept_piece  # type: ignore[method-assign]
+    Worker._decode = traced_decode  # type: ignore[method-assign]
     Worker.commit = traced_commit  # type: ignore[method-assign]
     Worker._take_report = traced_take_report  # type: ignore[method-assign]
     EngineProcess.add_many = traced_hand  # type: ignore[method-assign]
@@ -505,6 +514,8 @@ def exlq_timeline(records: list[Record], t0: float, steps_shown: int) -> dict[st
     return {
         "reads": [[_ms(r["begin"], t0), _ms(r["t"], t0), r["n"]] for r in at("read")][:4],
         "pieces_begin": [_ms(r["t"], t0) for r in at("piece_begin")],
+        # each entry parsed (the first 8)
+        "parses": [_ms(r["t"], t0) for r in at("parsed")][:8],
         "pieces_handed": [_ms(r["t"], t0) for r in at("hand_end")],
         # the start script of each piece, [sent, answered] ms (--admit-before-start: the
         # hand-over above comes before it)
@@ -550,6 +561,7 @@ STAGES: list[tuple[str, Callable[[Record], float]]] = [
     ("the SDK starts writing the first piece", lambda r: min(a for a, _, _ in r["sdk_sends"])),
     ("the worker's read returns it", lambda r: r["reads"][0][1]),
     ("the worker starts on the piece", lambda r: r["pieces_begin"][0]),
+    ("the worker has parsed its first job", lambda r: r["parses"][0]),
     ("parsed, started in Redis, handed to the pipe", lambda r: r["pieces_handed"][0]),
     ("the engine process has it", lambda r: r["engine_recv"][0]),
     ("the engine has added it", lambda r: r["engine_apply"][0][1]),

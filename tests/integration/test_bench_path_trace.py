@@ -75,6 +75,9 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
     first_step_begin = timeline["steps"][0][0]
     # (The engine process may note its receipt before the worker notes its send's end.)
     assert timeline["pieces_begin"][0] <= timeline["engine_recv"][0] <= first_step_begin
+    # The first job is parsed once the worker starts on the piece, before its hand-over.
+    assert len(timeline["parses"]) == 8
+    assert timeline["pieces_begin"][0] <= timeline["parses"][0] <= timeline["pieces_handed"][0]
     assert first_step_begin <= timeline["reports_in"][0][0] <= timeline["commits_end"][0]
     # The first step's chunks are the first token of the jobs it ran.
     assert timeline["steps"][0][3] == timeline["steps"][0][2] > 0
