@@ -191,6 +191,18 @@ def _wrap_worker(trace: TraceFile) -> None:
         admit(self, round_id, jobs)
         trace.note("hand_end")
 
+    _wrap_broker(trace)
+    Worker._accept_piece = traced_accept_piece  # type: ignore[method-assign,assignment]
+    Worker._decode = traced_decode  # type: ignore[method-assign]
+    Worker.commit = traced_commit  # type: ignore[method-assign]
+    Worker._take_report = traced_take_report  # type: ignore[method-assign]
+    EngineProcess.add_many = traced_hand  # type: ignore[method-assign]
+    EngineProcess.offer = traced_offer  # type: ignore[method-assign]
+    EngineProcess.admit = traced_admit  # type: ignore[method-assign]
+
+
+def _wrap_broker(trace: TraceFile) -> None:
+    """The worker's reads and start scripts."""
     from worker.broker import Broker
 
     read = Broker.read
@@ -214,13 +226,6 @@ def _wrap_worker(trace: TraceFile) -> None:
 
     Broker.read = traced_read  # type: ignore[method-assign]
     Broker.start_jobs = traced_start_jobs  # type: ignore[method-assign]
-    Worker._accept_piece = traced_accept_piece  # type: ignore[method-assign]
-    Worker._decode = traced_decode  # type: ignore[method-assign]
-    Worker.commit = traced_commit  # type: ignore[method-assign]
-    Worker._take_report = traced_take_report  # type: ignore[method-assign]
-    EngineProcess.add_many = traced_hand  # type: ignore[method-assign]
-    EngineProcess.offer = traced_offer  # type: ignore[method-assign]
-    EngineProcess.admit = traced_admit  # type: ignore[method-assign]
 
 
 def _wrap_engine_loop(trace: TraceFile) -> None:
