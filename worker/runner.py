@@ -167,14 +167,17 @@ class Worker:
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
-                entries = await self.broker.read(self.free_slots, self.settings.read_block_ms)
+                count = self.free_slots
+                entries = await self.broker.read(count, self.settings.read_block_ms)
                 if entries:
-                    # A blocked read returns on the first entry of a burst, and slots may
-                    # have been freed while it waited: the rest that has landed since is
-                    # read into the same piece, so the engine starts the burst in one
-                    # pass (_gather_burst; that read goes out before the worker parses).
+                    # Redis answers a read with every entry that has landed, up to its
+                    # count. One that returns its count may have left some behind, and
+                    # slots may have been freed while it waited: the rest is read into the
+                    # same piece, so the engine starts the burst in one pass (_gather_burst;
+                    # that read goes out before the worker parses). One that returns fewer
+                    # had them all: its piece goes to the engine without another round trip.
                     async with self._intake:
-                        await self.accept(entries, read_behind=True)
+                        await self.accept(entries, read_behind=len(entries) >= count)
                 failures = 0
                 self.set_redis_ok(True)
             except RedisError as exc:
@@ -200,9 +203,9 @@ class Worker:
 
     async def accept(self, entries: list[StreamEntry], read_behind: bool = False) -> None:
         """Entries this worker now owns (read or reclaimed): reject, skip, end or run each,
-        in pieces of ACCEPT_PIECE, in order. ``read_behind``: entries a read returned, whose
-        piece, if not full, takes in what landed behind them. The caller holds
-        ``_intake``."""
+        in pieces of ACCEPT_PIECE, in order. ``read_behind``: entries a read returned that
+        may have more behind them, which their piece, if not full, takes in. The caller
+        holds ``_intake``."""
         for start in range(0, len(entries), ACCEPT_PIECE):
             piece = entries[start : start + ACCEPT_PIECE]
             await self._accept_piece(piece, read_behind and len(piece) < ACCEPT_PIECE)
@@ -269,17 +272,17 @@ class Worker:
     ) -> None:
         """Take the piece in, and read what lands behind it into the piece, up to its full
         size and the free slots. The piece's last entry says more of its burst follows:
-        each read blocks, and the wait ends after burst_wait_ms. Otherwise (a read's piece
-        that is not full) one read takes what has landed, without blocking. Each read goes
-        out before the worker parses what the last one brought, so Redis answers while the
-        worker parses, and the engine readies the jobs offered so far meanwhile; a read
-        whose last entry says more is followed by a blocking one. A full piece (a read's
-        earlier pieces are full) reads nothing; reclaimed entries carry no mark. A read
-        that fails, or a stop, ends the wait: the jobs taken still run, and the next read
-        meets the error. Every read sent is awaited and its entries taken in, unless the
-        piece fails (a parse raises, the worker is cancelled): then the read in flight is
-        cancelled, and what Redis had delivered to it stays pending for a reclaim, with the
-        rest of the piece."""
+        each read blocks, and the wait ends after burst_wait_ms. Otherwise (a read that
+        returned its count, its piece not full) one read takes what has landed, without
+        blocking. Each read goes out before the worker parses what the last one brought, so
+        Redis answers while the worker parses, and the engine readies the jobs offered so
+        far meanwhile; a read whose last entry says more is followed by a blocking one. A
+        full piece (a read's earlier pieces are full) reads nothing; reclaimed entries carry
+        no mark. A read that fails, or a stop, ends the wait: the jobs taken still run, and
+        the next read meets the error. Every read sent is awaited and its entries taken in,
+        unless the piece fails (a parse raises, the worker is cancelled): then the read in
+        flight is cancelled, and what Redis had delivered to it stays pending for a reclaim,
+        with the rest of the piece."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.burst_wait_ms / 1000
         taken, rest = len(piece), piece

@@ -34,20 +34,28 @@ class CountingEngine(EchoEngine):
         return super().step()
 
 
-async def test_jobs_that_land_while_a_read_returns_start_in_the_same_engine_step(
+async def test_a_read_that_returns_less_than_it_asked_for_goes_to_the_engine_at_once(
     redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Redis answers a read with every entry that has landed, up to its count: a read that
+    returns fewer has them all, and its piece goes to the engine without another round
+    trip. What lands after it runs too, taken by the next read."""
+    from worker.runner import Worker
+
     engine = CountingEngine()
+    log: list[str] = []
+    real_read, real_decode = Broker.read, Worker._decode
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        real_read = Broker.read
         rest: list[Any] = []
         landed = asyncio.Event()
 
         async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+            log.append("read sent" if block_ms is None else f"blocked read of {count} sent")
             entries = await real_read(self, count, block_ms)
+            log.append(f"read {len(entries)}")
             if entries and not landed.is_set():
                 landed.set()
-                # The blocked read returned on the burst's first job; the rest lands now.
+                # The read returned on the first job; more lands as it returns.
                 rest.extend(
                     await asyncio.gather(
                         *(producer.submit(f"rest {i}", max_new_tokens=3) for i in range(5))
@@ -55,7 +63,13 @@ async def test_jobs_that_land_while_a_read_returns_start_in_the_same_engine_step
                 )
             return entries
 
+        def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
+            request = real_decode(self, entry)
+            log.append(f"parse {request.prompt}")
+            return request
+
         monkeypatch.setattr(Broker, "read", read)
+        monkeypatch.setattr(Worker, "_decode", decode)
         await start_worker(engine=engine, max_batch_size=8)
         first = await producer.submit("first", max_new_tokens=3)
         await asyncio.wait_for(landed.wait(), 10)
@@ -65,29 +79,76 @@ async def test_jobs_that_land_while_a_read_returns_start_in_the_same_engine_step
             asyncio.gather(*(h.result() for h in [first, *rest])), timeout=20
         )
     assert [r.state for r in results] == ["done"] * 6
-    assert engine.jobs_per_step[0] == 6
+    first_read = log.index("read 1")
+    assert log[first_read - 1 : first_read + 2] == [
+        "blocked read of 8 sent",
+        "read 1",
+        "parse first",
+    ]
+    assert "read sent" not in log
+    assert sum(engine.jobs_per_step) >= 6
+
+
+async def _free_slots_under_a_blocked_read(producer: AsyncProducer) -> None:
+    """On a worker of 4 slots (read_block_ms long): the short job frees one slot, and the
+    next read asks for that 1 entry and blocks; the long ones free three more while it
+    waits. A burst of 4 written now meets a read that returns its count, and 3 behind it."""
+    first = [await producer.submit("short", max_new_tokens=1)]
+    first += [await producer.submit(f"long {i}", max_new_tokens=100) for i in range(3)]
+    await asyncio.wait_for(asyncio.gather(*(h.result() for h in first)), timeout=20)
+
+
+async def _burst(producer: AsyncProducer, jobs: int) -> list[Any]:
+    return list(
+        await asyncio.gather(
+            *(producer.submit(f"burst {i}", max_new_tokens=3) for i in range(jobs))
+        )
+    )
 
 
 async def test_a_burst_meeting_a_read_sized_before_slots_freed_starts_in_one_engine_step(
-    redis_url: str, queue_name: str, start_worker: Any
+    redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A read that returns its count may have left entries behind: the worker reads them
+    into the same piece, with a read sent before it parses what it has, so Redis answers
+    while it parses."""
+    from worker.runner import Worker
+
+    log: list[str] = []
+    real_read, real_decode = Broker.read, Worker._decode
+
+    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+        log.append("read sent" if block_ms is None else f"blocked read of {count} sent")
+        entries = await real_read(self, count, block_ms)
+        log.append(f"read {len(entries)}")
+        return entries
+
+    def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
+        request = real_decode(self, entry)
+        log.append(f"parse {request.prompt}")
+        return request
+
+    monkeypatch.setattr(Broker, "read", read)
+    monkeypatch.setattr(Worker, "_decode", decode)
     engine = CountingEngine(capacity=4)
-    # A blocked read asks for the slots free when it is sent, and waits long.
     await start_worker(engine=engine, max_batch_size=4, read_block_ms=2000)
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        # The short job frees one slot: the next read asks for 1 entry and blocks. The
-        # long ones free three more while it waits.
-        first = [await producer.submit("short", max_new_tokens=1)]
-        first += [await producer.submit(f"long {i}", max_new_tokens=100) for i in range(3)]
-        await asyncio.wait_for(asyncio.gather(*(h.result() for h in first)), timeout=20)
+        await _free_slots_under_a_blocked_read(producer)
         steps_before = len(engine.jobs_per_step)
-        burst = await asyncio.gather(
-            *(producer.submit(f"burst {i}", max_new_tokens=3) for i in range(4))
-        )
+        burst = await _burst(producer, 4)
         results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=20)
     assert [r.state for r in results] == ["done"] * 4
     # The read returned one entry; the worker took the other three at once.
     assert next(n for n in engine.jobs_per_step[steps_before:] if n) == 4
+    taken = log.index("parse burst 0")
+    assert log[taken - 3 : taken + 3] == [
+        "blocked read of 1 sent",
+        "read 1",
+        "read sent",
+        "parse burst 0",
+        "read 3",
+        "parse burst 1",
+    ]
 
 
 async def test_entries_read_before_a_failed_follow_up_read_still_run(
@@ -103,12 +164,18 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
         return await real_read(self, count, block_ms)
 
     monkeypatch.setattr(Broker, "read", read)
-    # Claims go stale only after a minute: the job must run now, not after a reclaim.
-    await start_worker(claim_idle_ms=60_000)
+    # Claims go stale only after a minute: the jobs must run now, not after a reclaim.
+    await start_worker(
+        engine=CountingEngine(capacity=4),
+        max_batch_size=4,
+        read_block_ms=2000,
+        claim_idle_ms=60_000,
+    )
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        handle = await producer.submit("still runs", max_new_tokens=2)
-        result = await asyncio.wait_for(handle.result(), timeout=10)
-    assert failed and result.state == "done"
+        await _free_slots_under_a_blocked_read(producer)
+        burst = await _burst(producer, 4)
+        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in burst)), timeout=20)
+    assert failed and [r.state for r in results] == ["done"] * 4
 
 
 @pytest.mark.parametrize(
@@ -373,51 +440,3 @@ async def test_the_read_for_a_bursts_rest_goes_out_before_the_worker_parses_what
         "parse p-1",
         "parse p-2",
     ]
-
-
-async def test_the_read_for_what_landed_behind_an_unmarked_read_goes_out_before_the_parse(
-    redis_url: str,
-    queue_name: str,
-    start_worker: Any,
-    redis_client: aioredis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A read that brings less than a piece, its last entry unmarked (a producer without
-    the SDK, or a burst's last piece), takes in what landed behind it with one more read
-    that does not block. That read is sent before the worker parses what it has, so its
-    round trip is not on the first job's way to the engine; the entries it brings join the
-    same engine step."""
-    from worker.runner import Worker
-
-    keys = QueueKeys(queue_name)
-    log: list[str] = []
-    real_read, real_decode = Broker.read, Worker._decode
-    landed = asyncio.Event()
-
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
-        log.append("read sent" if block_ms is None else "blocked read sent")
-        entries = await real_read(self, count, block_ms)
-        ids = [json.loads(e.payload or b"{}")["id"] for e in entries]
-        log.extend(f"read {job_id}" for job_id in ids)
-        if ids == ["u-0"]:
-            # What a second producer writes while the worker's read returns.
-            await _xadd(redis_client, keys, "u-1", more=False)
-            landed.set()
-        return entries
-
-    def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
-        request = real_decode(self, entry)
-        log.append(f"parse {request.id}")
-        return request
-
-    monkeypatch.setattr(Broker, "read", read)
-    monkeypatch.setattr(Worker, "_decode", decode)
-    engine = CountingEngine(capacity=16)
-    await start_worker(engine=engine, max_batch_size=16, burst_wait_ms=5000)
-    await _xadd(redis_client, keys, "u-0", more=False)
-    results = await _results(redis_client, keys, ["u-0", "u-1"])
-    assert landed.is_set()
-    assert [r.state for r in results] == ["done"] * 2
-    assert next(n for n in engine.jobs_per_step if n) == 2
-    first = log.index("read u-0")
-    assert log[first + 1 : first + 5] == ["read sent", "parse u-0", "read u-1", "parse u-1"]
