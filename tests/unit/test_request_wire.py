@@ -17,6 +17,7 @@ from worker.engines.engine_request import (
     PackedRequest,
     PackedSampling,
     SamplingFields,
+    pack_ids,
     sampling_settings,
 )
 from worker.settings import WorkerSettings
@@ -107,11 +108,21 @@ def test_token_ids_cross_as_an_int64_array() -> None:
     assert packed.input_ids.tolist() == [5, 6, 7]
 
 
-def test_an_id_too_large_for_64_bits_crosses_as_it_is() -> None:
+@pytest.mark.parametrize("ids", [[0], [31999, 0, 7], list(range(2**63 - 300, 2**63))])
+def test_token_ids_pack_to_the_same_values(ids: list[int]) -> None:
+    packed = pack_ids(ids)
+    assert isinstance(packed, array.array) and packed.typecode == "q"
+    assert packed.tolist() == ids
+
+
+@pytest.mark.parametrize("ids", [[3, 2**64 + 5], [2**63], [1, -(2**63) - 1]])
+def test_an_id_too_large_for_64_bits_crosses_as_it_is(ids: list[int]) -> None:
     # The engine refuses it against its vocabulary; packing must not fail the worker.
-    ids = [3, 2**64 + 5]
-    packed = pickle.loads(pickle.dumps(PackedRequest.of(GenerationRequest(input_ids=ids))))
-    assert list(packed.input_ids) == ids
+    assert pack_ids(ids) == tuple(ids)
+    if min(ids) >= 0:
+        request = GenerationRequest(input_ids=ids)
+        packed = pickle.loads(pickle.dumps(PackedRequest.of(request)))
+        assert list(packed.input_ids) == ids
 
 
 @pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
