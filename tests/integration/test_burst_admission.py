@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -34,25 +35,48 @@ class CountingEngine(EchoEngine):
         return super().step()
 
 
+def _log_reads_and_parses(
+    monkeypatch: pytest.MonkeyPatch,
+    after_read: Callable[[list[StreamEntry]], Awaitable[None]] | None = None,
+) -> list[str]:
+    """The worker's reads (sent, blocked or not, and how many entries each brought) and its
+    parses (by prompt), in order, in the list returned; ``after_read`` runs on each read's
+    entries before the worker has them."""
+    from worker.runner import Worker
+
+    log: list[str] = []
+    real_read, real_decode = Broker.read, Worker._decode
+
+    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+        log.append("read sent" if block_ms is None else f"blocked read of {count} sent")
+        entries = await real_read(self, count, block_ms)
+        log.append(f"read {len(entries)}")
+        if after_read is not None:
+            await after_read(entries)
+        return entries
+
+    def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
+        request = real_decode(self, entry)
+        log.append(f"parse {request.prompt}")
+        return request
+
+    monkeypatch.setattr(Broker, "read", read)
+    monkeypatch.setattr(Worker, "_decode", decode)
+    return log
+
+
 async def test_a_read_that_returns_less_than_it_asked_for_goes_to_the_engine_at_once(
     redis_url: str, queue_name: str, start_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Redis answers a read with every entry that has landed, up to its count: a read that
     returns fewer has them all, and its piece goes to the engine without another round
     trip. What lands after it runs too, taken by the next read."""
-    from worker.runner import Worker
-
     engine = CountingEngine()
-    log: list[str] = []
-    real_read, real_decode = Broker.read, Worker._decode
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         rest: list[Any] = []
         landed = asyncio.Event()
 
-        async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
-            log.append("read sent" if block_ms is None else f"blocked read of {count} sent")
-            entries = await real_read(self, count, block_ms)
-            log.append(f"read {len(entries)}")
+        async def land_the_rest(entries: list[StreamEntry]) -> None:
             if entries and not landed.is_set():
                 landed.set()
                 # The read returned on the first job; more lands as it returns.
@@ -61,15 +85,8 @@ async def test_a_read_that_returns_less_than_it_asked_for_goes_to_the_engine_at_
                         *(producer.submit(f"rest {i}", max_new_tokens=3) for i in range(5))
                     )
                 )
-            return entries
 
-        def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
-            request = real_decode(self, entry)
-            log.append(f"parse {request.prompt}")
-            return request
-
-        monkeypatch.setattr(Broker, "read", read)
-        monkeypatch.setattr(Worker, "_decode", decode)
+        log = _log_reads_and_parses(monkeypatch, after_read=land_the_rest)
         await start_worker(engine=engine, max_batch_size=8)
         first = await producer.submit("first", max_new_tokens=3)
         await asyncio.wait_for(landed.wait(), 10)
@@ -112,24 +129,7 @@ async def test_a_burst_meeting_a_read_sized_before_slots_freed_starts_in_one_eng
     """A read that returns its count may have left entries behind: the worker reads them
     into the same piece, with a read sent before it parses what it has, so Redis answers
     while it parses."""
-    from worker.runner import Worker
-
-    log: list[str] = []
-    real_read, real_decode = Broker.read, Worker._decode
-
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
-        log.append("read sent" if block_ms is None else f"blocked read of {count} sent")
-        entries = await real_read(self, count, block_ms)
-        log.append(f"read {len(entries)}")
-        return entries
-
-    def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
-        request = real_decode(self, entry)
-        log.append(f"parse {request.prompt}")
-        return request
-
-    monkeypatch.setattr(Broker, "read", read)
-    monkeypatch.setattr(Worker, "_decode", decode)
+    log = _log_reads_and_parses(monkeypatch)
     engine = CountingEngine(capacity=4)
     await start_worker(engine=engine, max_batch_size=4, read_block_ms=2000)
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
