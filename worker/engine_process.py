@@ -9,7 +9,7 @@ import multiprocessing
 import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, overload
 
 from worker.engine_loop import EngineLoop, ReportSink, StepReport
 from worker.engines.base import (
@@ -22,7 +22,13 @@ from worker.engines.base import (
     TokenChunk,
     describe_error,
 )
-from worker.engines.engine_request import EngineRequest, PackedRequest
+from worker.engines.engine_request import (
+    EngineRequest,
+    PackedRequest,
+    WireRequest,
+    decode_request,
+    encode_request,
+)
 from worker.gc_pauses import HeldCollections, freeze_startup_heap
 from worker.settings import WorkerSettings
 
@@ -105,20 +111,20 @@ class EngineProcess:
             elif kind == "stopped":
                 return
 
-    # Requests cross the pipe packed (engine_request.PackedRequest): the child unpickles
-    # them in a few µs a job, where a GenerationRequest took tens, on the way to a burst's
-    # first step; the worker packs them meanwhile.
+    # Requests cross the pipe as plain tuples (engine_request.WireRequest): pickled and
+    # unpickled in about a µs a job each, where a GenerationRequest took tens, on the way
+    # to a burst's first step; the child decodes them into PackedRequests.
     def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:  # one message: the child's engine admits them in one pass
-            self._send(("add", _packed(jobs)))
+            self._send(("add", _encoded(jobs)))
 
     def offer(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
-            self._send(("offer", round_id, _packed(jobs)))
+            self._send(("offer", round_id, _encoded(jobs)))
 
     def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
         # The requests offered in this round cross the pipe once: admit names them by id.
-        self._send(("admit", round_id, _packed(jobs)))
+        self._send(("admit", round_id, _encoded(jobs)))
 
     def cancel(self, job_id: str) -> None:
         self._send(("cancel", job_id))
@@ -144,11 +150,22 @@ class EngineProcess:
         self._reports.close()
 
 
-def _packed(
+def _encoded(
     jobs: Sequence[tuple[str, EngineRequest | None]],
-) -> list[tuple[str, PackedRequest | None]]:
-    """The jobs with their requests packed (an admit's None: a job offered before)."""
-    return [(job_id, None if r is None else PackedRequest.of(r)) for job_id, r in jobs]
+) -> list[tuple[str, WireRequest | None]]:
+    """The jobs with their requests encoded (an admit's None: a job offered before)."""
+    return [(job_id, None if r is None else encode_request(r)) for job_id, r in jobs]
+
+
+@overload
+def _decoded(jobs: Sequence[tuple[str, WireRequest]]) -> list[tuple[str, PackedRequest]]: ...
+@overload
+def _decoded(
+    jobs: Sequence[tuple[str, WireRequest | None]],
+) -> list[tuple[str, PackedRequest | None]]: ...
+def _decoded(jobs: Sequence[tuple[str, WireRequest | None]]) -> list[Any]:
+    """In the child: the jobs with their requests as an engine reads them."""
+    return [(job_id, None if r is None else decode_request(r)) for job_id, r in jobs]
 
 
 def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:
@@ -239,11 +256,11 @@ def _serve_commands(loop: EngineLoop, commands: Connection) -> None:
         except EOFError:  # the worker is gone: nothing will read what we make
             return
         if message[0] == "add":
-            loop.add_many(message[1])
+            loop.add_many(_decoded(message[1]))
         elif message[0] == "offer":
-            loop.offer(message[1], message[2])
+            loop.offer(message[1], _decoded(message[2]))
         elif message[0] == "admit":
-            loop.admit(message[1], message[2])
+            loop.admit(message[1], _decoded(message[2]))
         elif message[0] == "cancel":
             loop.cancel(message[1])
         elif message[0] == "stop":

@@ -1,10 +1,12 @@
-"""Requests cross into the engine process packed (PackedRequest) and read as they were."""
+"""Requests cross into the engine process as plain tuples (WireRequest), are read there as
+PackedRequests, and read as they were."""
 
 from __future__ import annotations
 
 import array
 import inspect
 import pickle
+import pickletools
 from typing import Any
 
 import pytest
@@ -17,6 +19,8 @@ from worker.engines.engine_request import (
     PackedRequest,
     PackedSampling,
     SamplingFields,
+    decode_request,
+    encode_request,
     pack_ids,
     sampling_settings,
 )
@@ -84,53 +88,82 @@ def _members(protocol: type) -> list[str]:
     return [name for name, value in vars(protocol).items() if isinstance(value, property)]
 
 
+def _crossed(request: EngineRequest) -> PackedRequest:
+    """The request as the engine process reads it: encoded, through pickle, decoded."""
+    wire = pickle.loads(pickle.dumps(encode_request(request), protocol=pickle.HIGHEST_PROTOCOL))
+    return decode_request(wire)
+
+
 def test_the_packed_form_carries_every_field_an_engine_reads() -> None:
-    # A field an engine reads is added to EngineRequest and to PackedRequest together.
+    # A field an engine reads is added to EngineRequest, PackedRequest and the wire together.
     assert _members(EngineRequest) == REQUEST_FIELDS
     assert list(PackedRequest._fields) == REQUEST_FIELDS
+    assert len(encode_request(_requests()[0])) == len(REQUEST_FIELDS)
     # Every sampling setting of the wire contract, in the protocol and the packed form.
     assert sorted(_members(SamplingFields)) == sorted(SAMPLING_FIELDS)
     assert sorted(PackedSampling._fields) == sorted(SAMPLING_FIELDS)
 
 
 @pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
-def test_a_packed_request_reads_as_the_request_after_the_pipe(request_: GenerationRequest) -> None:
-    packed = PackedRequest.of(request_)
-    crossed = pickle.loads(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL))
+def test_a_request_reads_as_it_was_after_the_pipe(request_: GenerationRequest) -> None:
+    crossed = _crossed(request_)
     assert isinstance(crossed, PackedRequest)
     assert _read(crossed) == _read(request_)
-    assert PackedRequest.of(crossed) is crossed  # packed once
+    if request_.messages is not None:
+        assert [m.model_dump() for m in crossed.messages or []] == [
+            m.model_dump() for m in request_.messages
+        ]
+    assert _read(_crossed(crossed)) == _read(request_)  # a packed request crosses again
 
 
-def test_token_ids_cross_as_an_int64_array() -> None:
-    packed = PackedRequest.of(GenerationRequest(input_ids=[5, 6, 7]))
-    assert isinstance(packed.input_ids, array.array) and packed.input_ids.typecode == "q"
-    assert packed.input_ids.tolist() == [5, 6, 7]
+@pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
+def test_the_wire_form_pickles_without_a_class(request_: GenerationRequest) -> None:
+    # Plain tuples, strings and bytes: pickle calls no Python code to write or read them,
+    # where a named tuple, an array or a pydantic model costs µs each way (the worker and
+    # the engine process each pay it for every job on a burst's way in).
+    data = pickle.dumps(encode_request(request_), protocol=pickle.HIGHEST_PROTOCOL)
+    opcodes = {op.name for op, _, _ in pickletools.genops(data)}
+    assert not opcodes & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD"}
 
 
-@pytest.mark.parametrize("ids", [[0], [31999, 0, 7], list(range(2**63 - 300, 2**63))])
+def test_token_ids_cross_as_int32_bytes_and_read_as_an_int32_array() -> None:
+    wire = encode_request(GenerationRequest(input_ids=[5, 6, 2**31 - 1]))
+    assert isinstance(wire[2], bytes) and len(wire[2]) == 12
+    ids = decode_request(wire).input_ids
+    assert isinstance(ids, array.array) and ids.typecode == "i"
+    assert ids.tolist() == [5, 6, 2**31 - 1]
+
+
+def test_eight_jobs_of_256_ids_go_in_one_pipe_write() -> None:
+    # multiprocessing writes a message over 16 KiB as two writes (its length, then the
+    # data), and the engine process wakes for each; a piece's jobs are offered 8 at a time.
+    jobs = [(f"job-{i:03}", GenerationRequest(input_ids=[128_000 + i] * 256)) for i in range(8)]
+    message = ("offer", 1, [(job_id, encode_request(r)) for job_id, r in jobs])
+    assert len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)) <= 16_384
+
+
+@pytest.mark.parametrize("ids", [[0], [31999, 0, 7], list(range(2**31 - 300, 2**31))])
 def test_token_ids_pack_to_the_same_values(ids: list[int]) -> None:
     packed = pack_ids(ids)
-    assert isinstance(packed, array.array) and packed.typecode == "q"
+    assert isinstance(packed, array.array) and packed.typecode == "i"
     assert packed.tolist() == ids
+    assert pack_ids(packed) is packed  # packed once
 
 
-@pytest.mark.parametrize("ids", [[3, 2**64 + 5], [2**63], [1, -(2**63) - 1]])
-def test_an_id_too_large_for_64_bits_crosses_as_it_is(ids: list[int]) -> None:
+@pytest.mark.parametrize("ids", [[3, 2**64 + 5], [2**31], [1, 2**40], [1, -(2**31) - 1]])
+def test_an_id_too_large_for_32_bits_crosses_as_it_is(ids: list[int]) -> None:
     # The engine refuses it against its vocabulary; packing must not fail the worker.
     assert pack_ids(ids) == tuple(ids)
     if min(ids) >= 0:
-        request = GenerationRequest(input_ids=ids)
-        packed = pickle.loads(pickle.dumps(PackedRequest.of(request)))
-        assert list(packed.input_ids) == ids
+        assert list(_crossed(GenerationRequest(input_ids=ids)).input_ids or []) == ids
 
 
 @pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
 def test_an_engine_makes_the_same_text_of_either_form(request_: GenerationRequest) -> None:
-    assert echo_text(PackedRequest.of(request_)) == echo_text(request_)
+    assert echo_text(_crossed(request_)) == echo_text(request_)
     engine = EchoEngine(capacity=2, tokens_per_second=1_000_000)
     engine.admit("plain", engine.prepare("plain", request_))
-    engine.admit("packed", engine.prepare("packed", PackedRequest.of(request_)))
+    engine.admit("packed", engine.prepare("packed", _crossed(request_)))
     texts: dict[str, str] = {"plain": "", "packed": ""}
     while engine.active_jobs:
         for output in engine.step():
@@ -138,7 +171,7 @@ def test_an_engine_makes_the_same_text_of_either_form(request_: GenerationReques
     assert texts["plain"] == texts["packed"] != ""
 
 
-def test_the_engine_process_sends_requests_packed() -> None:
+def test_the_engine_process_sends_requests_encoded() -> None:
     process = EngineProcess(WorkerSettings(engine="echo"))
     sent: list[tuple[Any, ...]] = []
     process._send = sent.append  # type: ignore[method-assign]
@@ -148,9 +181,9 @@ def test_the_engine_process_sends_requests_packed() -> None:
     process.add_many([("c", first)])
     try:
         assert sent[0][:2] == ("offer", 1)
-        assert sent[0][2] == [("a", PackedRequest.of(first))]
-        assert sent[1] == ("admit", 1, [("a", None), ("b", PackedRequest.of(second))])
-        assert sent[2] == ("add", [("c", PackedRequest.of(first))])
+        assert sent[0][2] == [("a", encode_request(first))]
+        assert sent[1] == ("admit", 1, [("a", None), ("b", encode_request(second))])
+        assert sent[2] == ("add", [("c", encode_request(first))])
     finally:
         for end in (process._commands, process._reports):
             end.close()
@@ -167,7 +200,4 @@ def test_the_engines_sampler_settings_take_the_sampling_fields_in_their_order() 
     sampling = Sampling(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, typical=0.8, seed=4)
     settings = sampling_settings(sampling)
     assert settings == tuple(getattr(sampling, name) for name in names)
-    assert PackedRequest.of(GenerationRequest(prompt="x", sampling=sampling)).sampling == (
-        *settings,
-        4,
-    )
+    assert _crossed(GenerationRequest(prompt="x", sampling=sampling)).sampling == (*settings, 4)

@@ -1,5 +1,5 @@
-"""EngineRequest: what an engine reads of a job's request; PackedRequest: the light form in
-which a request crosses into the engine process.
+"""EngineRequest: what an engine reads of a job's request; PackedRequest: the form in which
+an engine process reads it; WireRequest: the plain tuple in which it crosses the pipe.
 
 An engine reads a request's input (prompt, messages or token ids), its length, sampling,
 stop and logprob fields, nothing else. The worker holds each job's request as the
@@ -8,9 +8,13 @@ as it is. An engine in a process of its own gets every job through a pipe, on th
 path of a burst's first token: there, unpickling a GenerationRequest of 256 ids and packing
 its ids into an array took 81 µs of the engine process's time a job on the H100, a third
 of what the job cost it before its first step (`docs/PERFORMANCE.md`, "The way in: a
-request in the engine process's form"). So EngineProcess sends a PackedRequest, built in
-the worker: plain tuples, its ids packed already as the int64 array the engine wraps in a
-tensor without a copy.
+request in the engine process's form"). So the worker encodes each request as a
+WireRequest: plain tuples and strings, its ids as the bytes of an int32 array. Pickling
+one of 256 ids takes about 1 µs and unpickling it as much, against 16 and 10 µs for the
+same fields as named tuples with an int64 array (development machine), and 8 jobs' ids
+fit in one pipe write (`docs/PERFORMANCE.md`, "Requests across the pipe as plain
+tuples"). The engine process decodes it into a PackedRequest, whose ids are the int32
+array the engine reads without a copy.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from producer.protocol import ChatMessage
+from producer.protocol import ChatMessage, ChatRole
 
 
 class SamplingFields(Protocol):
@@ -102,9 +106,9 @@ class PackedSampling(NamedTuple):
 
 
 class PackedRequest(NamedTuple):
-    """A validated request's engine fields as tuples, which pickle and unpickle in a few
-    µs; its token ids as an int64 array (a tuple where an id does not fit in 64 bits: the
-    engine refuses such an id with its vocabulary's bounds)."""
+    """A validated request's engine fields as tuples; its token ids as an int32 array (a
+    tuple where an id does not fit in 32 bits: the engine refuses such an id with its
+    vocabulary's bounds, which are far below)."""
 
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
@@ -117,35 +121,96 @@ class PackedRequest(NamedTuple):
     ignore_eos: bool
     logprobs: int
 
-    @classmethod
-    def of(cls, request: EngineRequest) -> PackedRequest:
-        if isinstance(request, PackedRequest):
-            return request
-        s = request.sampling
-        return cls(
-            request.prompt,
-            None if request.messages is None else tuple(request.messages),
-            None if request.input_ids is None else pack_ids(request.input_ids),
-            request.max_new_tokens,
-            PackedSampling(*sampling_settings(s), s.seed),
-            tuple(request.stop),
-            tuple(request.stop_token_ids),
-            tuple(request.banned_strings),
-            request.ignore_eos,
-            request.logprobs,
+
+# PackedRequest's fields with the sampling settings a plain tuple, messages (role, content)
+# pairs and the ids the bytes of an int32 array (or a tuple of ids, as in PackedRequest).
+WireRequest = tuple[
+    str | None,
+    tuple[tuple[ChatRole, str], ...] | None,
+    bytes | tuple[int, ...] | None,
+    int,
+    tuple[float, int, float, float, float, float, float, float, int | None],
+    tuple[str, ...],
+    tuple[int, ...],
+    tuple[str, ...],
+    bool,
+    int,
+]
+
+
+def encode_request(request: EngineRequest) -> WireRequest:
+    """The request as it crosses the pipe into the engine process."""
+    s = request.sampling
+    ids = request.input_ids
+    return (
+        request.prompt,
+        None if request.messages is None else tuple((m.role, m.content) for m in request.messages),
+        None if ids is None else _ids_wire(ids),
+        request.max_new_tokens,
+        (*sampling_settings(s), s.seed),
+        tuple(request.stop),
+        tuple(request.stop_token_ids),
+        tuple(request.banned_strings),
+        request.ignore_eos,
+        request.logprobs,
+    )
+
+
+def decode_request(wire: WireRequest) -> PackedRequest:
+    """A WireRequest, in the engine process, as the PackedRequest an engine reads."""
+    (
+        prompt,
+        messages,
+        ids,
+        max_new_tokens,
+        sampling,
+        stop,
+        stop_token_ids,
+        banned_strings,
+        ignore_eos,
+        logprobs,
+    ) = wire
+    chat = None
+    if messages is not None:  # validated in the worker
+        chat = tuple(
+            ChatMessage.model_construct(role=role, content=text) for role, text in messages
         )
+    return PackedRequest(
+        prompt,
+        chat,
+        None if ids is None else _ids_of(ids),
+        max_new_tokens,
+        PackedSampling(*sampling),
+        stop,
+        stop_token_ids,
+        banned_strings,
+        ignore_eos,
+        logprobs,
+    )
+
+
+def _ids_wire(ids: Sequence[int]) -> bytes | tuple[int, ...]:
+    if isinstance(ids, array.array) and ids.typecode == "i":
+        return ids.tobytes()
+    try:
+        return struct.pack(f"{len(ids)}i", *ids)
+    except struct.error:  # an id past 32 bits
+        return tuple(ids)
 
 
 def pack_ids(ids: Sequence[int]) -> array.array[int] | tuple[int, ...]:
-    """Token ids as an int64 array, as they are packed once; a tuple if one does not fit.
-    The array is filled from struct.pack's bytes: for 256 ids that took half the time of
-    array("q", ids), which converts and stores one item at a time (7-8 µs against 14-15
-    on the development machine, Python 3.11 and 3.12)."""
-    if isinstance(ids, array.array) and ids.typecode == "q":
+    """Token ids as an int32 array (kept as they are if they are one already); a tuple if
+    one does not fit. The array is filled from struct.pack's bytes: for 256 ids that took
+    half the time of array("q", ids), which converts and stores one item at a time (7-8 µs
+    against 14-15 on the development machine, Python 3.11 and 3.12)."""
+    if isinstance(ids, array.array) and ids.typecode == "i":
         return ids
-    packed = array.array("q")
-    try:
-        packed.frombytes(struct.pack(f"{len(ids)}q", *ids))
-    except struct.error:  # an id past 64 bits
-        return tuple(ids)
-    return packed
+    return _ids_of(_ids_wire(ids))
+
+
+def _ids_of(wire: bytes | tuple[int, ...]) -> array.array[int] | tuple[int, ...]:
+    if isinstance(wire, tuple):
+        return wire
+    ids = array.array("i")
+    ids.frombytes(wire)
+    return ids
