@@ -275,19 +275,19 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
     start = Loop.start
 
     @functools.wraps(start)
-    def traced_start(self: Any, report: Callable[[Any], None]) -> None:
+    def traced_start(self: Any, report: Callable[[Any], None], *args: Any) -> None:
         def sink(r: Any) -> None:
             report(r)
             # held: ms from the step's end to this send (held for the next step's GPU wait)
             held = round((time.time() - r.finished_at) * 1000, 3)
             trace.note("report_sent", outputs=len(r.outputs), held=held)
 
-        start(self, sink)
+        start(self, sink, *args)
 
     Loop.add_many = traced_loop_add  # type: ignore[method-assign]
     Loop._apply = traced_apply  # type: ignore[method-assign]
     Loop._step = traced_step  # type: ignore[method-assign]
-    Loop.start = traced_start  # type: ignore[method-assign]
+    Loop.start = traced_start  # type: ignore[method-assign, assignment]
 
 
 def _wrap_engine_offers(trace: TraceFile) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import queue
@@ -81,13 +82,16 @@ ReportSink = Callable[[StepReport], None]
 
 class EngineRunner(Protocol):
     """What the worker drives: an engine on a thread (EngineLoop) or in a process of its own
-    (worker.engine_process.EngineProcess). ``report`` is called from another thread."""
+    (worker.engine_process.EngineProcess)."""
 
     name: str
     capacity: int
     setup: EngineSetup
 
-    def start(self, report: ReportSink) -> None: ...
+    def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Begin; each step's report goes to ``report``, called from another thread, or on
+        ``loop``'s thread where the runner reads its reports there (EngineProcess)."""
+        ...
 
     def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         """Hand (job id, request) pairs over together: the engine admits them in one pass."""
@@ -158,7 +162,8 @@ class EngineLoop:
         """The loop as the worker's settings ask for it (in the worker or the engine process)."""
         return cls(engine, settings.overlap_reports, settings.admit_in_wait, collections)
 
-    def start(self, report: ReportSink) -> None:
+    def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # The reports come from the engine's thread, whatever the loop.
         self._report = report
         self._thread.start()
 

@@ -3,6 +3,7 @@ the worker's Redis I/O needs. Same interface as EngineLoop; reports come back ov
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -56,6 +57,8 @@ class EngineProcess:
             daemon=True,
         )
         self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # reading the reports
+        self._reading_done = threading.Event()
         self._send_lock = threading.Lock()
 
     def load(self, timeout_s: float = LOAD_TIMEOUT_S) -> None:
@@ -84,32 +87,66 @@ class EngineProcess:
         """The engine process's id, once started (for profilers and CPU pinning)."""
         return self._process.pid
 
-    def start(self, report: ReportSink) -> None:
-        self._reader = threading.Thread(
-            target=self._relay, args=(report,), name="exlq-engine-reports", daemon=True
-        )
-        self._reader.start()
+    def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Deliver the child's reports to ``report``. With ``loop`` (the caller's running
+        event loop), the loop reads them from the pipe as they arrive and ``report`` runs on
+        its thread; stop() must then be called from another thread, and close() on the
+        loop's. Without, a relay thread reads them and calls ``report`` from there."""
+        if loop is None:
+            self._reader = threading.Thread(
+                target=self._relay, args=(report,), name="exlq-engine-reports", daemon=True
+            )
+            self._reader.start()
+            return
+        # No relay thread between the pipe and the loop: a report reached the loop after
+        # two wake-ups, the relay thread's and then the loop's, and now after one
+        # (docs/PERFORMANCE.md, "Reports read on the event loop").
+        self._loop = loop
+        loop.add_reader(self._reports.fileno(), self._read_reports, report)
 
     def _relay(self, report: ReportSink) -> None:
+        while self._deliver(report):
+            pass
+
+    def _read_reports(self, report: ReportSink) -> None:
+        """On the event loop, when the pipe is readable: every report that has arrived."""
         while True:
-            try:
-                kind, payload = self._reports.recv()
-            except (EOFError, OSError):
-                code = self._process.exitcode
-                report(
-                    StepReport(
-                        [],
-                        None,
-                        0,
-                        CacheUsage(0, 0),
-                        fatal=f"the engine process ended (exit code {code})",
-                    )
+            if not self._deliver(report):
+                self._stop_reading()
+                return
+            with contextlib.suppress(OSError):
+                if self._reports.poll():
+                    continue
+            return
+
+    def _deliver(self, report: ReportSink) -> bool:
+        """Read one message and hand a report on; False once nothing more will come."""
+        try:
+            kind, payload = self._reports.recv()
+        except (EOFError, OSError):
+            code = self._process.exitcode
+            report(
+                StepReport(
+                    [],
+                    None,
+                    0,
+                    CacheUsage(0, 0),
+                    fatal=f"the engine process ended (exit code {code})",
                 )
-                return
-            if kind == "report":
-                report(decode_report(payload))
-            elif kind == "stopped":
-                return
+            )
+            return False
+        if kind == "report":
+            report(decode_report(payload))
+        elif kind == "stopped":
+            return False
+        return True
+
+    def _stop_reading(self) -> None:
+        """Take the pipe off the event loop (reports stopped, or the runner closes)."""
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._reports.fileno())
+        self._reading_done.set()
 
     # Requests cross the pipe as plain tuples (engine_request.WireRequest): pickled and
     # unpickled in about a µs a job each, where a GenerationRequest took tens, on the way
@@ -137,9 +174,13 @@ class EngineProcess:
         self._send(("stop",))
         if self._reader is not None:
             self._reader.join(timeout)
+        elif self._loop is not None:
+            self._reading_done.wait(timeout)
         self._process.join(timeout)
 
     def close(self) -> None:
+        if self._loop is not None:
+            self._stop_reading()  # before its pipe closes, and no report after close
         if self._process.is_alive():
             self._process.terminate()
             self._process.join(10)

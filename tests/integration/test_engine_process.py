@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
+import threading
 
 import pytest
 
 from producer import AsyncProducer
 from producer.keys import QueueKeys
+from producer.protocol import GenerationRequest
 from worker.broker import Broker
+from worker.engine_loop import StepReport
 from worker.engine_process import EngineProcess
-from worker.engines.base import EngineSetup
+from worker.engines.base import EngineSetup, JobEnded
 from worker.metrics import Metrics
 from worker.runner import EXIT_ENGINE_DEAD, Worker
 from worker.settings import WorkerSettings
@@ -61,3 +65,73 @@ async def test_process_runner_serves_and_its_death_stops_the_worker(
         stop.set()
         engine.close()
         await broker.close()
+
+
+def _echo_settings(redis_url: str = "redis://unused", queue: str = "q") -> WorkerSettings:
+    return WorkerSettings(
+        engine="echo",
+        redis_url=redis_url,
+        queue=queue,
+        max_batch_size=4,
+        echo_tokens_per_second=1_000,
+        metrics_port=0,
+    )
+
+
+async def test_a_worker_reads_the_reports_on_its_event_loop_and_stops_cleanly(
+    redis_url: str, queue_name: str
+) -> None:
+    settings = _echo_settings(redis_url, queue_name)
+    engine = EngineProcess(settings)
+    await asyncio.to_thread(engine.load)
+    broker = Broker.from_url(
+        redis_url, QueueKeys(queue_name), "loop-reader", result_ttl_s=60, dead_max_len=100
+    )
+    worker = Worker(settings, engine, broker, Metrics(queue_name))
+    sink_threads: set[int] = set()
+    put = worker._reports.put_nowait
+
+    def noting_put(report: StepReport) -> None:
+        sink_threads.add(threading.get_ident())
+        put(report)
+
+    worker._reports.put_nowait = noting_put  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        async with AsyncProducer(redis_url, queue=queue_name) as producer:
+            handles = [await producer.submit(f"job {i}", max_new_tokens=6) for i in range(3)]
+            results = [await h.result(timeout=20) for h in handles]
+        assert [r.text for r in results] == [f" job {i} job {i} job {i}" for i in range(3)]
+        # No relay thread: every report reached the worker on its event loop's thread.
+        assert sink_threads == {threading.get_ident()}
+        assert not [t for t in threading.enumerate() if t.name == "exlq-engine-reports"]
+        stop.set()
+        # The engine's last message ("stopped") ends the reading: stop() does not wait out
+        # its timeout, and the pipe is off the loop.
+        assert await asyncio.wait_for(task, 20) == 0
+        assert engine._reading_done.is_set() and engine._loop is None
+        assert not engine._process.is_alive()
+    finally:
+        stop.set()
+        engine.close()
+        await broker.close()
+
+
+def test_without_an_event_loop_a_relay_thread_hands_the_reports_on() -> None:
+    engine = EngineProcess(_echo_settings())
+    engine.load()
+    reports: queue.SimpleQueue[tuple[int, StepReport]] = queue.SimpleQueue()
+    engine.start(lambda r: reports.put((threading.get_ident(), r)))
+    try:
+        engine.add_many([("a", GenerationRequest(prompt="relayed", max_new_tokens=2))])
+        outputs = []
+        while not any(isinstance(o, JobEnded) for o in outputs):
+            thread, report = reports.get(timeout=20)
+            assert thread != threading.get_ident() and report.fatal is None
+            outputs += report.outputs
+        assert "".join(getattr(o, "text", "") for o in outputs) == " relayed relayed"
+        engine.stop(20)
+        assert engine._reader is not None and not engine._reader.is_alive()
+    finally:
+        engine.close()
