@@ -85,6 +85,9 @@ class Worker:
         # with its own verdict (early_starts.py), and could take back its entries, idle
         # until the worker holds them.
         self._intake = asyncio.Lock()
+        # Token chunks published, for their metrics: (enqueued at, the job's token before
+        # this one, this one's time, the chunk).
+        self._tokens_seen: list[tuple[float, float | None, float, TokenChunk]] = []
 
     @property
     def ready(self) -> bool:
@@ -462,7 +465,18 @@ class Worker:
             for report in reports:
                 self._take_report(batch, report, ended)
             if batch:
-                await self.commit(batch)
+                # The events go out first; the token metrics are observed while Redis
+                # answers (4.4 µs a job on the development machine, 0.14 ms of a 32-job
+                # burst's first events, where they waited for them).
+                commit = await started_task(self.commit(batch), name="exlq-commit")
+                self._observe_tokens()
+                try:
+                    await commit
+                except asyncio.CancelledError:
+                    commit.cancel()
+                    raise
+            else:
+                self._observe_tokens()
             if ended:
                 for job_id in ended:
                     self.held.pop(job_id, None)
@@ -496,19 +510,24 @@ class Worker:
 
     def _take_output(self, batch: Batch, job: RunningJob, output: EngineOutput, now: float) -> None:
         if isinstance(output, TokenChunk):
-            previous = job.last_token_at
+            self._tokens_seen.append((job.enqueued_at, job.last_token_at, now, output))
             batch.publish(job.channel, job.token_event(output, now))
-            self.metrics.add_generated_tokens(len(output.token_ids))
-            if previous is None:
-                self.metrics.observe_ttft(now - job.enqueued_at)
-            elif output.token_ids:
-                gap = (now - previous) / len(output.token_ids)
-                for _ in output.token_ids:
-                    self.metrics.observe_inter_token(gap)
         elif isinstance(output, JobEnded):
             self._finish(batch, job, output, now)
         elif isinstance(output, JobErrored):
             self._fail(batch, job, output, now)
+
+    def _observe_tokens(self) -> None:
+        """The token metrics of the chunks taken since the last call."""
+        seen, self._tokens_seen = self._tokens_seen, []
+        for enqueued_at, previous, now, chunk in seen:
+            self.metrics.add_generated_tokens(len(chunk.token_ids))
+            if previous is None:
+                self.metrics.observe_ttft(now - enqueued_at)
+            elif chunk.token_ids:
+                gap = (now - previous) / len(chunk.token_ids)
+                for _ in chunk.token_ids:
+                    self.metrics.observe_inter_token(gap)
 
     def _finish(self, batch: Batch, job: RunningJob, ended: JobEnded, now: float) -> None:
         state, event_json, result_json = job.finish(ended, now)
