@@ -100,7 +100,8 @@ class EngineProcess:
             return
         # No relay thread between the pipe and the loop: a report reached the loop after
         # two wake-ups, the relay thread's and then the loop's, and now after one
-        # (docs/PERFORMANCE.md, "Reports read on the event loop").
+        # (docs/PERFORMANCE.md, "Requests across the pipe as plain tuples, and reports
+        # read on the event loop").
         self._loop = loop
         loop.add_reader(self._reports.fileno(), self._read_reports, report)
 
