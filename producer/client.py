@@ -31,6 +31,7 @@ from producer.protocol import (
     final_state,
     parse_event,
 )
+from producer.quiet_wait import QuietWait
 from producer.submit_batch import SubmitBatcher
 from producer.subscriber import RECONNECTED, EventRouter
 
@@ -87,6 +88,7 @@ class JobHandle:
         self.duplicate = duplicate
         self._producer = producer
         self._events = events
+        self._wait = QuietWait(events)
         self._final: DoneEvent | ErrorEvent | None = None
         self._text: list[str] = []
         self._last_seq = -1
@@ -104,21 +106,17 @@ class JobHandle:
             # The job may have ended before this handle subscribed.
             for event in await self._recover_from_result():
                 yield self._track(event)
-        while self._final is None:
-            for event in await self._next_events():
-                yield self._track(event)
+        try:
+            while self._final is None:
+                for event in await self._next_events():
+                    yield self._track(event)
+        finally:
+            self._wait.close()
         await self._producer._release(self.id, self._events)
 
     async def _next_events(self) -> list[Event]:
-        try:
-            if self._events.empty():
-                async with asyncio.timeout(RESULT_POLL_S):
-                    raw = await self._events.get()
-            else:
-                raw = self._events.get_nowait()
-        except TimeoutError:
-            return await self._recover_from_result()
-        if raw == RECONNECTED:
+        raw = await self._wait.next(RESULT_POLL_S)
+        if raw is None or raw == RECONNECTED:  # quiet, or events may have been lost
             return await self._recover_from_result()
         accepted = self._accept(parse_event(raw))
         if accepted is not None:
