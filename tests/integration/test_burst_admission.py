@@ -38,26 +38,32 @@ class CountingEngine(EchoEngine):
 def _log_reads_and_parses(
     monkeypatch: pytest.MonkeyPatch,
     after_read: Callable[[list[StreamEntry]], Awaitable[None]] | None = None,
+    by_id: bool = False,
 ) -> list[str]:
-    """The worker's reads (sent, blocked or not, and how many entries each brought) and its
-    parses (by prompt), in order, in the list returned; ``after_read`` runs on each read's
-    entries before the worker has them."""
+    """The worker's reads and parses, in order, in the list returned: each read when sent
+    (blocked or not) and how many entries it brought, each parse by prompt; ``by_id``: each
+    read as "read sent", then each entry it brought and each parse by job id.
+    ``after_read`` runs on each read's entries before the worker has them."""
     from worker.runner import Worker
 
     log: list[str] = []
     real_read, real_decode = Broker.read, Worker._decode
 
     async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
-        log.append("read sent" if block_ms is None else f"blocked read of {count} sent")
+        blocked = block_ms is not None and not by_id
+        log.append(f"blocked read of {count} sent" if blocked else "read sent")
         entries = await real_read(self, count, block_ms)
-        log.append(f"read {len(entries)}")
+        if by_id:
+            log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in entries)
+        else:
+            log.append(f"read {len(entries)}")
         if after_read is not None:
             await after_read(entries)
         return entries
 
     def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
         request = real_decode(self, entry)
-        log.append(f"parse {request.prompt}")
+        log.append(f"parse {request.id if by_id else request.prompt}")
         return request
 
     monkeypatch.setattr(Broker, "read", read)
@@ -396,25 +402,8 @@ async def test_the_read_for_a_bursts_rest_goes_out_before_the_worker_parses_what
     entries the last read brought: Redis answers while the worker parses. The rest, which
     lands while that read waits, still joins the same engine step, and every entry runs
     once."""
-    from worker.runner import Worker
-
     keys = QueueKeys(queue_name)
-    log: list[str] = []
-    real_read, real_decode = Broker.read, Worker._decode
-
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
-        log.append("read sent")
-        entries = await real_read(self, count, block_ms)
-        log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in entries)
-        return entries
-
-    def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
-        request = real_decode(self, entry)
-        log.append(f"parse {request.id}")
-        return request
-
-    monkeypatch.setattr(Broker, "read", read)
-    monkeypatch.setattr(Worker, "_decode", decode)
+    log = _log_reads_and_parses(monkeypatch, by_id=True)
     engine = CountingEngine(capacity=16)
     await start_worker(engine=engine, max_batch_size=16, burst_wait_ms=5000)
     await _xadd(redis_client, keys, "p-0", more=True)

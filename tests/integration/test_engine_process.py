@@ -24,17 +24,23 @@ from worker.settings import WorkerSettings
 pytestmark = pytest.mark.integration
 
 
+def _echo_settings(
+    redis_url: str = "redis://unused", queue: str = "q", tokens_per_second: float = 1_000
+) -> WorkerSettings:
+    return WorkerSettings(
+        engine="echo",
+        redis_url=redis_url,
+        queue=queue,
+        max_batch_size=4,
+        echo_tokens_per_second=tokens_per_second,
+        metrics_port=0,
+    )
+
+
 async def test_process_runner_serves_and_its_death_stops_the_worker(
     redis_url: str, queue_name: str
 ) -> None:
-    settings = WorkerSettings(
-        engine="echo",
-        redis_url=redis_url,
-        queue=queue_name,
-        max_batch_size=4,
-        echo_tokens_per_second=200,
-        metrics_port=0,
-    )
+    settings = _echo_settings(redis_url, queue_name, tokens_per_second=200)
     engine = EngineProcess(settings)
     await asyncio.to_thread(engine.load)
     assert (engine.name, engine.capacity, engine.setup) == ("echo", 4, EngineSetup())
@@ -65,17 +71,6 @@ async def test_process_runner_serves_and_its_death_stops_the_worker(
         stop.set()
         engine.close()
         await broker.close()
-
-
-def _echo_settings(redis_url: str = "redis://unused", queue: str = "q") -> WorkerSettings:
-    return WorkerSettings(
-        engine="echo",
-        redis_url=redis_url,
-        queue=queue,
-        max_batch_size=4,
-        echo_tokens_per_second=1_000,
-        metrics_port=0,
-    )
 
 
 async def test_a_worker_reads_the_reports_on_its_event_loop_and_stops_cleanly(
