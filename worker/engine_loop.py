@@ -89,8 +89,8 @@ class EngineRunner(Protocol):
     setup: EngineSetup
 
     def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Begin; each step's report goes to ``report``, called from another thread, or on
-        ``loop``'s thread where the runner reads its reports there (EngineProcess)."""
+        """Begin; each step's report goes to ``report``: with ``loop``, called on that
+        loop's thread; without, from a thread of the runner's."""
         ...
 
     def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
@@ -163,8 +163,13 @@ class EngineLoop:
         return cls(engine, settings.overlap_reports, settings.admit_in_wait, collections)
 
     def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        # The reports come from the engine's thread, whatever the loop.
-        self._report = report
+        self._report = report  # called on the engine's thread
+        if loop is not None:
+
+            def on_loop(step: StepReport) -> None:
+                loop.call_soon_threadsafe(report, step)
+
+            self._report = on_loop
         self._thread.start()
 
     def close(self) -> None:

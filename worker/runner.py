@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import json
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -105,16 +104,8 @@ class Worker:
         self.clock_offset_s = await self.broker.clock_offset_s()
         await self.broker.ensure_group()
         self.set_redis_ok(True)
-        loop = asyncio.get_running_loop()
-        loop_thread = threading.get_ident()
-
-        def hand_over(report: StepReport) -> None:  # on the engine's thread or this loop's
-            if threading.get_ident() == loop_thread:
-                self._reports.put_nowait(report)
-            else:
-                loop.call_soon_threadsafe(self._reports.put_nowait, report)
-
-        self.engine.start(hand_over, loop)
+        # Each report is queued on this loop's thread (EngineProcess reads the pipe there).
+        self.engine.start(self._reports.put_nowait, asyncio.get_running_loop())
         self.metrics.set_capacity(self.capacity)
         reader = asyncio.create_task(self._read_loop(), name="exlq-reader")
         helpers = [
