@@ -20,8 +20,7 @@ _QUIET = b"\x00quiet"
 class QuietWait:
     def __init__(self, events: asyncio.Queue[bytes]) -> None:
         self._events = events
-        self._waiting_since: float | None = None  # the loop's time the wait began
-        self._quiet_s = 0.0
+        self._due: float | None = None  # the loop's time the current wait ends, if one waits
         self._timer: asyncio.TimerHandle | None = None
 
     async def next(self, quiet_s: float) -> bytes | None:
@@ -30,14 +29,13 @@ class QuietWait:
             raw = self._events.get_nowait()
         else:
             loop = asyncio.get_running_loop()
-            self._waiting_since = loop.time()
-            self._quiet_s = quiet_s
+            self._due = loop.time() + quiet_s
             if self._timer is None:
-                self._timer = loop.call_at(self._waiting_since + quiet_s, self._check)
+                self._timer = loop.call_at(self._due, self._check)
             try:
                 raw = await self._events.get()
             finally:
-                self._waiting_since = None
+                self._due = None
         return None if raw == _QUIET else raw
 
     def close(self) -> None:
@@ -48,10 +46,9 @@ class QuietWait:
 
     def _check(self) -> None:
         self._timer = None
-        since = self._waiting_since
-        if since is None:
+        due = self._due
+        if due is None:
             return  # not waiting: the next wait sets the timer again
-        due = since + self._quiet_s
         loop = asyncio.get_running_loop()
         if loop.time() < due:
             self._timer = loop.call_at(due, self._check)

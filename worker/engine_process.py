@@ -111,14 +111,13 @@ class EngineProcess:
 
     def _read_reports(self, report: ReportSink) -> None:
         """On the event loop, when the pipe is readable: every report that has arrived."""
-        while True:
-            if not self._deliver(report):
-                self._stop_reading()
-                return
-            with contextlib.suppress(OSError):
-                if self._reports.poll():
-                    continue
-            return
+        while self._deliver(report):
+            try:
+                if not self._reports.poll():
+                    return  # read them all: the loop calls again when more arrive
+            except OSError:
+                return  # the pipe closed meanwhile: the next read reports it
+        self._stop_reading()
 
     def _deliver(self, report: ReportSink) -> bool:
         """Read one message and hand a report on; False once nothing more will come."""
