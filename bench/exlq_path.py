@@ -330,6 +330,9 @@ class ExlqPath:
         self.load_s = 0.0
         self._redis = RedisServer()
         self._worker: WorkerProcess | None = None
+        # The threads of the last run's processes and what each spent (pin_stepper).
+        self._last_run: tuple[list[int], int, dict[tuple[int, int], thread_clock.ThreadTimes]]
+        self._last_run = ([], 0, {})
 
     def __enter__(self) -> ExlqPath:
         with on_cpus(self.redis_cpus):  # Redis inherits this thread's CPUs
@@ -358,6 +361,19 @@ class ExlqPath:
     def worker_pid(self) -> int | None:
         return self._worker.process.pid if self._worker is not None else None
 
+    def pin_stepper(self, cpu: int) -> None:
+        """The engine's stepping thread (the busiest thread of the engine's process in the
+        last run) alone on ``cpu``, and the worker's other threads on the rest of its CPUs;
+        a run must have gone first."""
+        pids, engine_pid, spent = self._last_run
+        stepper = thread_clock.busiest_thread(spent, engine_pid)
+        if stepper is None:
+            raise RuntimeError("pin_stepper: no run yet shows the engine's stepping thread")
+        others = (self.worker_cpus or frozenset(os.sched_getaffinity(0))) - {cpu}
+        if not others:
+            raise ValueError(f"pin_stepper: the worker needs CPUs besides {cpu}")
+        thread_clock.pin(pids, others, stepper, cpu)
+
     def __exit__(self, *exc: object) -> None:
         if self._worker is not None:
             self._worker.stop()
@@ -384,6 +400,7 @@ class ExlqPath:
             _run_point(self._redis.url, warm_up, prompts, max_new_tokens, read_step_metrics)
         )
         spent = thread_clock.diff(threads_before, thread_clock.snapshot(pids))
+        self._last_run = (pids, engine_pid, spent)
         steps = worker.metric("exlq_engine_step_seconds_count") - before["count"]
         step_sum = worker.metric("exlq_engine_step_seconds_sum") - before["sum"]
         out = _summarize(

@@ -43,7 +43,7 @@ from bench.exlq_path import (
     worker_options,
 )
 from bench.make_checkpoint import model_for
-from bench.placement import Placement, on_cpus, placement
+from bench.placement import Placement, on_cpus, placement, stepper_cpu
 from bench.run import RESULTS, exlq_attention_patch, gpu_name
 
 
@@ -104,6 +104,10 @@ def measure(
     biggest = max(args.concurrency)
     runs: list[dict[str, Any]] = []
     system_cpus = place.server or os.sched_getaffinity(0)
+    # Both stepping threads on one CPU (--stepper-cpu): each CPU's speed moves on its own,
+    # and pairs whose two runs stepped on the same CPU spread less.
+    stepper = stepper_cpu(args.stepper_cpu, place)
+    engine_cpus = place.server if stepper is None else frozenset({stepper})
     with on_cpus(place.server):
         engine = EngineAlone(model, biggest, **engine_options(args))
     try:
@@ -118,6 +122,12 @@ def measure(
         ) as path:
             if args.freeze_gc:
                 freeze_loaded_objects()
+            if stepper is not None:
+                # One untimed run shows which of the engine process's threads steps.
+                prompts, warm_up = baselines.pair_prompts(model, 1, args.prompt_tokens, -1)
+                with on_cpus(place.load):
+                    path.run(prompts, warm_up, args.max_new_tokens)
+                path.pin_stepper(stepper)
             for n in args.concurrency:
                 for repeat in range(args.repeats):
                     prompts, warm_up = baselines.pair_prompts(model, n, args.prompt_tokens, repeat)
@@ -125,7 +135,7 @@ def measure(
                     for system in order:
                         before = probe_each(system_cpus)
                         if system == "e":
-                            with on_cpus(place.server):
+                            with on_cpus(engine_cpus):
                                 row = engine.run(prompts, warm_up, args.max_new_tokens)
                         else:
                             with on_cpus(place.load):
@@ -147,6 +157,10 @@ def measure(
     finally:
         engine.close()
     return runs
+
+
+def _stepper_note(cpu: int | None) -> str:
+    return "" if cpu is None else f"; both systems' stepping threads on CPU {cpu}"
 
 
 def _stepper_probes(
@@ -401,6 +415,12 @@ def main() -> None:
     add_worker_options(ap)
     add_gc_option(ap)
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
+    ap.add_argument(
+        "--stepper-cpu",
+        default="auto",
+        help="the one CPU both systems' stepping threads run on (auto: the last of the "
+        "system's CPUs; none: where the scheduler puts them)",
+    )
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
@@ -419,10 +439,11 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "cache_tokens": args.cache_tokens,
-        "cpus": place.describe(),
+        "cpus": place.describe() + _stepper_note(stepper_cpu(args.stepper_cpu, place)),
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
         + ("" if args.freeze_gc else " --no-freeze-gc")
+        + ("" if args.stepper_cpu == "auto" else f" --stepper-cpu {args.stepper_cpu}")
         + "".join(
             f" {switch_flag(name, on)}"
             for name, on in worker_options(args).items()

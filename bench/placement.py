@@ -85,6 +85,26 @@ def placement(
     return Placement(frozenset(server), frozenset(load), frozenset(idle))
 
 
+def stepper_cpu(spec: str, place: Placement) -> int | None:
+    """The one CPU for the stepping threads of the systems compared: 'auto' takes the last of
+    the system's CPUs (none without a placement of two or more), 'none' leaves them where the
+    scheduler puts them, a number names it (one of the system's CPUs)."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        return max(place.server) if place.server is not None and len(place.server) > 1 else None
+    try:
+        cpu = int(spec)
+    except ValueError:
+        raise ValueError(f"--stepper-cpu {spec}: give auto, none or a CPU number") from None
+    if place.server is None or cpu not in place.server or len(place.server) < 2:
+        raise ValueError(
+            f"--stepper-cpu {spec}: name one of the system's CPUs "
+            f"({place.describe()}), which must number two or more"
+        )
+    return cpu
+
+
 def smt_siblings(cpu: int) -> frozenset[int]:
     """The CPUs that share cpu's core (cpu included), as Linux lists them; {cpu} if unknown."""
     path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")

@@ -92,6 +92,23 @@ def busiest(spent: dict[tuple[int, int], ThreadTimes], pid: int | None = None) -
     return max(pool, key=lambda t: t.run_ns)
 
 
+def busiest_thread(spent: dict[tuple[int, int], ThreadTimes], pid: int) -> int | None:
+    """The id of ``pid``'s thread with the most time on a CPU (its stepping thread), or None
+    if none of its threads was seen."""
+    mine = [(times.run_ns, tid) for (p, tid), times in spent.items() if p == pid]
+    return max(mine)[1] if mine else None
+
+
+def pin(pids: list[int], cpus: frozenset[int], thread: int | None = None, on: int = -1) -> None:
+    """Every thread of these processes on ``cpus``; ``thread``, if given, alone on CPU ``on``.
+    A thread that starts later takes the CPUs of the thread that starts it."""
+    for _, tid in snapshot(pids):
+        try:
+            os.sched_setaffinity(tid, {on} if tid == thread else cpus)
+        except ProcessLookupError:  # it ended meanwhile
+            continue
+
+
 def total_run_ns(spent: dict[tuple[int, int], ThreadTimes]) -> int:
     return sum(t.run_ns for t in spent.values())
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import thread_clock
 from bench.baselines import random_prompt_ids
 from bench.exlq_path import ExlqPath
 
@@ -49,3 +50,36 @@ def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
         assert row["stepper_run_us_per_step"] > 0
         assert row["stepper_wait_us_per_step"] >= 0
         assert row["others_run_us_per_step"] > 0  # the worker's event loop, at least
+
+
+def test_the_engines_stepping_thread_is_pinned_alone_and_the_worker_keeps_the_rest(
+    echo_bench_model: Path,
+) -> None:
+    model = echo_bench_model
+    cpus = frozenset(os.sched_getaffinity(0))
+    alone = max(cpus)
+    with ExlqPath(model, max_batch_size=8, engine="echo", worker_cpus=cpus) as path:
+        with pytest.raises(RuntimeError, match="no run yet"):
+            path.pin_stepper(alone)
+        prompts = random_prompt_ids(model, 8, 16, seed=1)
+        path.run(prompts, random_prompt_ids(model, 8, 16, seed=2), max_new_tokens=12)
+        if len(cpus) < 2:
+            with pytest.raises(ValueError, match="besides"):
+                path.pin_stepper(alone)
+            return
+        path.pin_stepper(alone)
+        assert path.worker_pid is not None
+        engine_pid = thread_clock.spawned_child(path.worker_pid)
+        assert engine_pid is not None
+        threads = thread_clock.snapshot([path.worker_pid, engine_pid])
+        placed = {key: os.sched_getaffinity(key[1]) for key in threads}
+        pinned = [pid for (pid, _), on in placed.items() if on == {alone}]
+        assert pinned == [engine_pid]  # one thread of the engine's process
+        assert all(on == cpus - {alone} for on in placed.values() if on != {alone})
+        # The worker serves as before.
+        row = path.run(
+            random_prompt_ids(model, 8, 16, seed=3),
+            random_prompt_ids(model, 8, 16, seed=4),
+            max_new_tokens=12,
+        )
+        assert row["completion_tokens"] == 12 * 8

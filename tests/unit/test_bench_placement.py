@@ -6,7 +6,15 @@ import os
 
 import pytest
 
-from bench.placement import _ranges, on_cpus, parse_cpus, placement, smt_siblings
+from bench.placement import (
+    Placement,
+    _ranges,
+    on_cpus,
+    parse_cpus,
+    placement,
+    smt_siblings,
+    stepper_cpu,
+)
 
 needs_affinity = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only"
@@ -97,3 +105,19 @@ def test_a_named_server_keeps_its_siblings_from_the_load() -> None:
 
 def test_smt_siblings_include_the_cpu_itself() -> None:
     assert 0 in smt_siblings(0)
+
+
+def test_the_stepping_threads_cpu_is_one_of_the_systems() -> None:
+    place = Placement(frozenset({0, 1, 2, 3}), frozenset(range(4, 16)))
+    assert stepper_cpu("auto", place) == 3
+    assert stepper_cpu("1", place) == 1
+    assert stepper_cpu("none", place) is None
+    # Without a placement of two CPUs or more, auto leaves the threads to the scheduler.
+    assert stepper_cpu("auto", Placement(None, None)) is None
+    assert stepper_cpu("auto", Placement(frozenset({0}), frozenset({1}))) is None
+    with pytest.raises(ValueError, match="one of the system's CPUs"):
+        stepper_cpu("5", place)
+    with pytest.raises(ValueError, match="one of the system's CPUs"):
+        stepper_cpu("0", Placement(frozenset({0}), frozenset({1})))
+    with pytest.raises(ValueError, match="auto, none or a CPU number"):
+        stepper_cpu("last", place)

@@ -84,3 +84,27 @@ def test_the_spawned_child_is_found_and_the_resource_tracker_is_not() -> None:
     finally:
         stop.set()
         child.join()
+
+
+def test_the_busiest_threads_id_is_found_and_it_can_be_pinned_alone() -> None:
+    idle = threading.Event()
+    sleeper = threading.Thread(target=idle.wait, name="sleeper")
+    sleeper.start()
+    pid, main = os.getpid(), threading.get_native_id()
+    before = os.sched_getaffinity(0)
+    try:
+        start = thread_clock.snapshot([pid])
+        _spin(0.05)
+        spent = thread_clock.diff(start, thread_clock.snapshot([pid]))
+        assert thread_clock.busiest_thread(spent, pid) == main
+        assert thread_clock.busiest_thread(spent, pid + 10**7) is None
+        alone = max(before)
+        rest = frozenset(before - {alone}) or frozenset({alone})
+        thread_clock.pin([pid], rest, main, alone)
+        assert os.sched_getaffinity(0) == {alone}
+        assert sleeper.native_id is not None
+        assert os.sched_getaffinity(sleeper.native_id) == rest
+    finally:
+        os.sched_setaffinity(0, before)
+        idle.set()
+        sleeper.join()
