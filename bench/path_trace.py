@@ -237,7 +237,7 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
 
     @functools.wraps(loop_add)
     def traced_loop_add(self: Any, jobs: Sequence[Any]) -> None:
-        trace.note("engine_recv", n=len(jobs))  # on the command thread, after unpickling
+        trace.note("engine_recv", n=len(jobs))  # the thread runner's: from the event loop
         loop_add(self, jobs)
 
     apply = Loop._apply
@@ -245,8 +245,8 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
     @functools.wraps(apply)
     def traced_apply(self: Any, commands: list[Any], outputs: list[Any]) -> bool:
         # Jobs started (adds, admits), and jobs only offered: prepared, not started.
-        adds = sum(len(c.jobs) for c in commands if type(c).__name__ == "_Admit")
-        offers = sum(len(c.jobs) for c in commands if type(c).__name__ == "_Offer")
+        adds = sum(len(c.jobs) for c in commands if isinstance(c, engine_loop.Admit))
+        offers = sum(len(c.jobs) for c in commands if isinstance(c, engine_loop.Offer))
         if not adds and not offers:
             return apply(self, commands, outputs)
         begin = perf_counter()
@@ -318,6 +318,22 @@ def _wrap_engine_offers(trace: TraceFile) -> None:
     Loop.offer = traced_loop_offer  # type: ignore[method-assign]
     Loop.admit = traced_loop_admit  # type: ignore[method-assign]
     Loop._build_ahead = traced_build_ahead  # type: ignore[method-assign]
+
+    # In the engine process the stepping thread reads the worker's messages itself.
+    from worker import engine_loop, engine_process
+
+    command_from = engine_process.command_from
+
+    @functools.wraps(command_from)
+    def traced_command_from(message: tuple[Any, ...]) -> Any:
+        command = command_from(message)
+        if isinstance(command, engine_loop.Offer):
+            trace.note("offer_recv", n=len(command.jobs))
+        elif isinstance(command, engine_loop.Admit):
+            trace.note("engine_recv", n=len(command.jobs))
+        return command
+
+    engine_process.command_from = traced_command_from
 
 
 if os.environ.get(TRACE_ENV):  # the worker, and its engine process

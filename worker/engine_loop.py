@@ -37,18 +37,18 @@ SLOW_STEP_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
-class _Cancel:
+class Cancel:
     job_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class _Offer:
+class Offer:
     round: int
     jobs: Sequence[tuple[str, EngineRequest]]
 
 
 @dataclass(frozen=True, slots=True)
-class _Admit:
+class Admit:
     """Jobs to start in one pass: a request of None is the one offered in ``round``. An
     add_many() is an admit of no round, every request given whole."""
 
@@ -56,13 +56,18 @@ class _Admit:
     jobs: Sequence[tuple[str, EngineRequest | None]]
 
 
-class _Stop:
+class Stop:
     pass
 
 
-_Command = _Offer | _Admit | _Cancel | _Stop
+Command = Offer | Admit | Cancel | Stop
+# Where the loop's thread takes its commands when they do not come through the loop's own
+# methods: called with block=True only while the engine is idle, it returns the commands
+# that have arrived (at least one when blocking). The engine process's command pipe is one
+# (engine_process: read by the stepping thread itself, no thread in between).
+CommandSource = Callable[[bool], list[Command]]
 # Commands that only bring jobs in: a step's wait for the GPU may apply them (admit_in_wait).
-_TAKE_IN = (_Offer, _Admit)
+_TAKE_IN = (Offer, Admit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +130,7 @@ class EngineLoop:
         overlap_reports: bool = True,
         admit_in_wait: bool = True,
         collections: HeldCollections | None = None,
+        commands: CommandSource | None = None,
     ) -> None:
         self.engine = engine
         self.name = engine.name
@@ -137,7 +143,11 @@ class EngineLoop:
         # GPU (gc_pauses.HeldCollections). None: CPython collects where it will.
         self.collections = collections
         self._report: ReportSink = _no_sink
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Commands come through add_many() and the like into this queue, or, given a
+        # source, from there alone (stop() then only waits for the thread).
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._source: CommandSource = self._queued if commands is None else commands
+        self._own_commands = commands is None
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
         # With overlap_reports, a step's report that only continues streams waits here for the
         # next step's wait for the GPU (Engine.set_wait_work), and goes out in it.
@@ -149,7 +159,7 @@ class EngineLoop:
         # in that wait, and the engine readies the next step there. Commands taken there
         # behind the first that is not an add wait here, in order, for the step's end; what
         # the wait's adds and readying end goes into the pass's outputs.
-        self._deferred: list[_Command] = []
+        self._deferred: list[Command] = []
         self._outputs: list[EngineOutput] = []
         # Jobs offered ahead of their start, by round, until the round's admit: what the
         # engine's prepare() returned, or the error the job fails with if it is admitted.
@@ -157,10 +167,14 @@ class EngineLoop:
 
     @classmethod
     def for_settings(
-        cls, engine: Engine, settings: WorkerSettings, collections: HeldCollections | None = None
+        cls,
+        engine: Engine,
+        settings: WorkerSettings,
+        collections: HeldCollections | None = None,
+        commands: CommandSource | None = None,
     ) -> EngineLoop:
         """The loop as the worker's settings ask for it (in the worker or the engine process)."""
-        return cls(engine, settings.overlap_reports, settings.admit_in_wait, collections)
+        return cls(engine, settings.overlap_reports, settings.admit_in_wait, collections, commands)
 
     def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._report = report  # called on the engine's thread
@@ -177,20 +191,28 @@ class EngineLoop:
 
     def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
-            self._commands.put(_Admit(None, jobs))
+            self._put(Admit(None, jobs))
 
     def offer(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
-            self._commands.put(_Offer(round_id, jobs))
+            self._put(Offer(round_id, jobs))
 
     def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
-        self._commands.put(_Admit(round_id, jobs))
+        self._put(Admit(round_id, jobs))
 
     def cancel(self, job_id: str) -> None:
-        self._commands.put(_Cancel(job_id))
+        self._put(Cancel(job_id))
+
+    def _put(self, command: Command) -> None:
+        if not self._own_commands:
+            raise RuntimeError("this engine loop takes its commands from its command source")
+        self._commands.put(command)
 
     def stop(self, timeout: float | None = None) -> None:
-        self._commands.put(_Stop())
+        """Stop the loop and wait for its thread. With a command source of its own, the stop
+        must come from there (a Stop); this only waits."""
+        if self._own_commands:
+            self._commands.put(Stop())
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -306,25 +328,29 @@ class EngineLoop:
         self._deferred = commands[adds:]
         self._apply(commands[:adds], self._outputs)
 
-    def _take_commands(self, block: bool) -> list[_Command]:
+    def _take_commands(self, block: bool) -> list[Command]:
         commands, self._deferred = self._deferred, []
-        if block and not commands:
-            commands.append(self._commands.get())
+        commands += self._source(block and not commands)
+        return commands
+
+    def _queued(self, block: bool) -> list[Command]:
+        """The commands put through this loop's methods."""
+        commands = [self._commands.get()] if block else []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
 
-    def _apply(self, commands: list[_Command], outputs: list[EngineOutput]) -> bool:
+    def _apply(self, commands: list[Command], outputs: list[EngineOutput]) -> bool:
         for command in commands:
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 return False
-            if isinstance(command, _Cancel):
+            if isinstance(command, Cancel):
                 ended = self.engine.cancel(command.job_id)
                 if ended is not None:
                     outputs.append(ended)
-            elif isinstance(command, _Offer):
+            elif isinstance(command, Offer):
                 offered = self._offered.setdefault(command.round, {})
                 for job_id, request in command.jobs:
                     prepare = functools.partial(self.engine.prepare, job_id, request)
@@ -333,7 +359,7 @@ class EngineLoop:
                 self._admit(command, outputs)
         return True
 
-    def _admit(self, command: _Admit, outputs: list[EngineOutput]) -> None:
+    def _admit(self, command: Admit, outputs: list[EngineOutput]) -> None:
         """Start the round's named jobs in order; its other offers are dropped with it."""
         offered = {} if command.round is None else self._offered.pop(command.round, {})
         for job_id, request in command.jobs:

@@ -12,7 +12,18 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, overload
 
-from worker.engine_loop import EngineLoop, ReportSink, StepReport
+from worker.command_pipe import FrameReader, FrameWriter
+from worker.engine_loop import (
+    Admit,
+    Cancel,
+    Command,
+    CommandSource,
+    EngineLoop,
+    Offer,
+    ReportSink,
+    StepReport,
+    Stop,
+)
 from worker.engines.base import (
     CacheUsage,
     EngineOutput,
@@ -59,7 +70,9 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # reading the reports
         self._reading_done = threading.Event()
-        self._send_lock = threading.Lock()
+        # Commands go out in frames the engine process's stepping thread reads itself
+        # (command_pipe); the Connection only carries the pipe's end to the child.
+        self._writer = FrameWriter(self._commands.fileno())
 
     def load(self, timeout_s: float = LOAD_TIMEOUT_S) -> None:
         """Start the child and wait until its engine is loaded; EngineUnavailable if it cannot."""
@@ -92,6 +105,8 @@ class EngineProcess:
         event loop), the loop reads them from the pipe as they arrive and ``report`` runs on
         its thread; stop() must then be called from another thread, and close() on the
         loop's. Without, a relay thread reads them and calls ``report`` from there."""
+        if loop is not None:
+            self._writer.attach(loop)  # a command never makes the loop wait for a step
         if loop is None:
             self._reader = threading.Thread(
                 target=self._relay, args=(report,), name="exlq-engine-reports", daemon=True
@@ -167,8 +182,7 @@ class EngineProcess:
         self._send(("cancel", job_id))
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        with self._send_lock, contextlib.suppress(OSError):
-            self._commands.send(message)
+        self._writer.send(message)  # a dead child drops it: the report pipe says so
 
     def stop(self, timeout: float | None = None) -> None:
         self._send(("stop",))
@@ -181,6 +195,7 @@ class EngineProcess:
     def close(self) -> None:
         if self._loop is not None:
             self._stop_reading()  # before its pipe closes, and no report after close
+        self._writer.detach()
         if self._process.is_alive():
             self._process.terminate()
             self._process.join(10)
@@ -226,7 +241,9 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
         return
     # The engine, its model and its libraries are loaded: out of the collector's reach;
     # and no collection pauses a burst on its way to the GPU.
-    loop = EngineLoop.for_settings(engine, settings, HeldCollections())
+    # The stepping thread reads the worker's commands itself: no command thread wakes it.
+    source = command_source(FrameReader(commands.fileno()))
+    loop = EngineLoop.for_settings(engine, settings, HeldCollections(), source)
     freeze_startup_heap()
     reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
     send_lock = threading.Lock()
@@ -240,9 +257,8 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
 
     loop.start(send_report)
     try:
-        _serve_commands(loop, commands)
+        loop.stop()  # ends on the worker's stop, its pipe's end, or the engine's death
     finally:
-        loop.stop(30)
         engine.close()
         with send_lock, contextlib.suppress(OSError):
             reports.send(("stopped", None))
@@ -290,19 +306,29 @@ def decode_report(wire: WireReport) -> StepReport:
     return StepReport(outputs, step_seconds, active_jobs, CacheUsage(*cache), finished_at, fatal)
 
 
-def _serve_commands(loop: EngineLoop, commands: Connection) -> None:
-    while True:
+def command_source(reader: FrameReader) -> CommandSource:
+    """The engine loop's commands, read from the worker's pipe on the loop's own thread."""
+
+    def take(block: bool) -> list[Command]:
         try:
-            message = commands.recv()
+            return [command_from(message) for message in reader.take(block)]
         except EOFError:  # the worker is gone: nothing will read what we make
-            return
-        if message[0] == "add":
-            loop.add_many(_decoded(message[1]))
-        elif message[0] == "offer":
-            loop.offer(message[1], _decoded(message[2]))
-        elif message[0] == "admit":
-            loop.admit(message[1], _decoded(message[2]))
-        elif message[0] == "cancel":
-            loop.cancel(message[1])
-        elif message[0] == "stop":
-            return
+            return [Stop()]
+
+    return take
+
+
+def command_from(message: tuple[Any, ...]) -> Command:
+    """One of the worker's messages as the engine loop's command."""
+    kind = message[0]
+    if kind == "add":
+        return Admit(None, _decoded(message[1]))
+    if kind == "offer":
+        return Offer(message[1], _decoded(message[2]))
+    if kind == "admit":
+        return Admit(message[1], _decoded(message[2]))
+    if kind == "cancel":
+        return Cancel(message[1])
+    if kind == "stop":
+        return Stop()
+    raise ValueError(f"unknown engine command {kind!r}")

@@ -1,0 +1,178 @@
+"""The worker's commands to its engine process: frames over a pipe, read by the stepping
+thread itself, and never a wait for the worker's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import queue
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from producer.protocol import GenerationRequest
+from tests.engine_reports import collect_ends
+from worker.command_pipe import FrameReader, FrameWriter, encode_frame
+from worker.engine_loop import Admit, Cancel, EngineLoop, Offer, StepReport, Stop
+from worker.engine_process import command_from, command_source
+from worker.engines.base import JobEnded
+from worker.engines.echo import EchoEngine
+from worker.engines.engine_request import encode_request
+
+F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    read_fd, write_fd = os.pipe()
+    yield read_fd, write_fd
+    for fd in (read_fd, write_fd):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _pipe_bytes(fd: int) -> int:
+    return fcntl.fcntl(fd, F_GETPIPE_SZ)
+
+
+def test_messages_arrive_whole_and_in_order(pipe: tuple[int, int]) -> None:
+    read_fd, write_fd = pipe
+    reader, writer = FrameReader(read_fd), FrameWriter(write_fd)
+    assert reader.take(block=False) == []
+    messages = [("offer", 1, [("a", None)]), ("cancel", "a"), ("stop",)]
+    for message in messages:
+        writer.send(message)
+    assert reader.take(block=True) == messages
+
+
+def test_a_message_larger_than_the_pipe_arrives_whole(pipe: tuple[int, int]) -> None:
+    read_fd, write_fd = pipe
+    reader, writer = FrameReader(read_fd), FrameWriter(write_fd)
+    big = ("add", b"x" * (4 * _pipe_bytes(write_fd)))
+    sender = threading.Thread(target=writer.send, args=(big,))
+    sender.start()  # blocks until the reader has taken what the pipe cannot hold
+    taken: list[object] = []
+    while not taken:
+        taken = reader.take(block=True)
+    sender.join(5)
+    assert taken == [big]
+
+
+def test_part_of_a_frame_waits_for_its_rest(pipe: tuple[int, int]) -> None:
+    read_fd, write_fd = pipe
+    reader = FrameReader(read_fd)
+    frame = encode_frame(("cancel", "job-1"))
+    os.write(write_fd, frame[:5])
+    assert reader.take(block=False) == []
+    os.write(write_fd, frame[5:] + frame)
+    assert reader.take(block=False) == [("cancel", "job-1"), ("cancel", "job-1")]
+
+
+def test_a_closed_writer_ends_the_reading_after_its_last_message(pipe: tuple[int, int]) -> None:
+    read_fd, write_fd = pipe
+    reader = FrameReader(read_fd)
+    FrameWriter(write_fd).send(("stop",))
+    os.close(write_fd)
+    assert reader.take(block=True) == [("stop",)]
+    with pytest.raises(EOFError):
+        reader.take(block=True)
+    with pytest.raises(EOFError):
+        reader.take(block=False)
+
+
+def test_a_send_to_a_gone_reader_is_dropped_quietly(pipe: tuple[int, int]) -> None:
+    read_fd, write_fd = pipe
+    writer = FrameWriter(write_fd)
+    os.close(read_fd)
+    writer.send(("cancel", "a"))  # EPIPE: the engine process is gone
+    assert writer.broken
+    writer.send(("cancel", "b"))
+
+
+async def test_with_a_loop_a_full_pipe_never_blocks_the_sender(pipe: tuple[int, int]) -> None:
+    read_fd, write_fd = pipe
+    reader, writer = FrameReader(read_fd), FrameWriter(write_fd)
+    writer.attach(asyncio.get_running_loop())
+    big = ("offer", 1, b"y" * (3 * _pipe_bytes(write_fd)))
+    writer.send(big)  # returns at once; the rest waits for room
+    writer.send(("admit", 1, []))
+    assert writer.pending_bytes > 0
+    # Another thread's send goes behind what waits.
+    await asyncio.to_thread(writer.send, ("stop",))
+    taken: list[object] = []
+    while len(taken) < 3:
+        await asyncio.sleep(0.001)  # the loop writes as the reader makes room
+        taken += reader.take(block=False)
+    assert taken == [big, ("admit", 1, []), ("stop",)]
+    assert writer.pending_bytes == 0
+
+
+async def test_a_detached_writer_drops_what_waits(pipe: tuple[int, int]) -> None:
+    _, write_fd = pipe
+    loop = asyncio.get_running_loop()
+    writer = FrameWriter(write_fd)
+    writer.attach(loop)
+    writer.send(("add", b"z" * (2 * _pipe_bytes(write_fd))))
+    assert writer.pending_bytes > 0
+    writer.detach()
+    assert writer.pending_bytes == 0
+    assert not loop.remove_writer(write_fd)  # nothing is left watching the pipe
+
+
+def test_each_message_becomes_its_command() -> None:
+    request = GenerationRequest(prompt="hi", max_new_tokens=2)
+    wire = encode_request(request)
+    offer = command_from(("offer", 3, [("a", wire)]))
+    assert isinstance(offer, Offer) and offer.round == 3 and offer.jobs[0][0] == "a"
+    admit = command_from(("admit", 3, [("a", None), ("b", wire)]))
+    assert isinstance(admit, Admit) and admit.round == 3
+    assert admit.jobs[0] == ("a", None) and admit.jobs[1][1] is not None
+    added = command_from(("add", [("c", wire)]))
+    assert isinstance(added, Admit) and added.round is None
+    assert command_from(("cancel", "a")) == Cancel("a")
+    assert isinstance(command_from(("stop",)), Stop)
+    with pytest.raises(ValueError, match="unknown engine command 'reset'"):
+        command_from(("reset",))
+
+
+def _request(prompt: str, tokens: int) -> object:
+    return encode_request(GenerationRequest(prompt=prompt, max_new_tokens=tokens))
+
+
+@pytest.mark.parametrize("ending", ["stop", "close"])
+def test_an_engine_loop_runs_the_commands_its_thread_reads(
+    pipe: tuple[int, int], ending: str
+) -> None:
+    read_fd, write_fd = pipe
+    writer = FrameWriter(write_fd)
+    reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
+    engine = EchoEngine(capacity=4, tokens_per_second=1000)
+    loop = EngineLoop(engine, commands=command_source(FrameReader(read_fd)))
+    loop.start(reports.put)
+    writer.send(("offer", 1, [("a", _request("one", 2)), ("b", _request("two", 2))]))
+    writer.send(("admit", 1, [("a", None)]))  # b was offered, not admitted: it never runs
+    writer.send(("add", [("c", _request("three", 3))]))
+    ended = collect_ends(reports, 2)
+    assert sorted(ended, key=lambda e: e.job_id) == [
+        JobEnded("a", "length", 1, 2),
+        JobEnded("c", "length", 1, 3),
+    ]
+    with pytest.raises(RuntimeError, match="from its command source"):
+        loop.add_many([("d", GenerationRequest(prompt="ignored", max_new_tokens=1))])
+    if ending == "stop":
+        writer.send(("stop",))
+    else:
+        os.close(write_fd)  # the worker is gone
+    loop.stop(5)  # waits: the stop comes through the pipe
+    assert not loop._thread.is_alive()
+    assert all(report.fatal is None for report in _drain(reports))
+
+
+def _drain(reports: queue.SimpleQueue[StepReport]) -> list[StepReport]:
+    drained = []
+    while not reports.empty():
+        drained.append(reports.get_nowait())
+    return drained
