@@ -121,8 +121,9 @@ class EngineRunner(Protocol):
 
 
 class EngineLoop:
-    """Runs an engine on a thread of its own. Commands come in through a queue; each pass's
-    outputs go out through ``report``, which must be thread-safe."""
+    """Runs an engine on a thread of its own. Commands come in through a queue, or from a
+    command source the thread reads itself; each pass's outputs go out through ``report``,
+    which must be thread-safe."""
 
     def __init__(
         self,
