@@ -4,11 +4,16 @@ The worker writes (FrameWriter); the engine process's stepping thread reads (Fra
 when it is idle, between steps and while a step waits for the GPU, with no thread of its
 own in between. So the worker's writes never wait for a step: with an event loop, what
 the pipe cannot take at once waits in a buffer that the loop writes once the pipe has room.
-A frame is its payload's length (8 bytes, big-endian) and the pickle."""
+The pipe is widened to 1 MiB where Linux allows (widen_pipe), so a step's drain takes a
+burst's offers in one read; a message larger than what the pipe holds is read to its end
+once it has begun, while the worker's loop writes the rest. A frame is its payload's
+length (8 bytes, big-endian) and the pickle."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import pickle
 import select
@@ -18,6 +23,19 @@ from typing import Any
 
 _HEADER = struct.Struct("!Q")
 _READ_SIZE = 1 << 20
+PIPE_BYTES = 1 << 20  # Linux's default pipe-max-size; a pipe holds 64 KiB unless widened
+
+
+def widen_pipe(fd: int, size: int = PIPE_BYTES) -> int:
+    """Ask Linux to let the pipe hold ``size`` bytes; returns what it holds (the request may
+    be refused past the system's limits, and other systems keep their size)."""
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
+    get_size = getattr(fcntl, "F_GETPIPE_SZ", None)
+    if set_size is None or get_size is None:
+        return 0
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, set_size, size)
+    return int(fcntl.fcntl(fd, get_size))
 
 
 def encode_frame(message: object) -> bytes:
@@ -136,10 +154,14 @@ class FrameReader:
         self._ended = False  # the writer closed its end
 
     def take(self, block: bool) -> list[Any]:
-        """The messages that have arrived; with ``block``, wait for at least one. Raises
-        EOFError once the writer has closed and every whole message was taken."""
+        """The messages that have arrived; with ``block``, wait for at least one. A message
+        whose start has arrived is waited for to its end. Raises EOFError once the writer
+        has closed and every whole message was taken."""
         while True:
             self._read_arrived()
+            while self._partial() and not self._ended:
+                self._poll.poll()  # the writer is sending the rest
+                self._read_arrived()
             messages = self._whole_messages()
             if messages or not (block or self._ended):
                 return messages
@@ -159,6 +181,14 @@ class FrameReader:
             self._buffer += data
             if len(data) < _READ_SIZE:
                 return  # the pipe is empty now; one read fewer
+
+    def _partial(self) -> bool:
+        """The buffer ends in part of a frame."""
+        buffer, start = self._buffer, 0
+        while len(buffer) - start >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(buffer, start)
+            start += _HEADER.size + size
+        return start != len(buffer)
 
     def _whole_messages(self) -> list[Any]:
         messages: list[Any] = []

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, overload
 
-from worker.command_pipe import FrameReader, FrameWriter
+from worker.command_pipe import FrameReader, FrameWriter, widen_pipe
 from worker.engine_loop import (
     Admit,
     Cancel,
@@ -72,6 +72,7 @@ class EngineProcess:
         self._reading_done = threading.Event()
         # Commands go out in frames the engine process's stepping thread reads itself
         # (command_pipe); the Connection only carries the pipe's end to the child.
+        widen_pipe(self._commands.fileno())
         self._writer = FrameWriter(self._commands.fileno())
 
     def load(self, timeout_s: float = LOAD_TIMEOUT_S) -> None:

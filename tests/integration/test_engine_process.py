@@ -130,3 +130,40 @@ def test_without_an_event_loop_a_relay_thread_hands_the_reports_on() -> None:
         assert engine._reader is not None and not engine._reader.is_alive()
     finally:
         engine.close()
+
+
+async def test_a_command_larger_than_the_pipe_never_blocks_the_event_loop() -> None:
+    engine = EngineProcess(_echo_settings(tokens_per_second=50))
+    await asyncio.to_thread(engine.load)
+    loop = asyncio.get_running_loop()
+    reports: asyncio.Queue[StepReport] = asyncio.Queue()
+    engine.start(reports.put_nowait, loop)
+    try:
+        # A job that keeps the engine stepping, then, with the engine process stopped (as
+        # in a long step: it reads nothing), an offer of 3 MB of prompts, more than the
+        # widened pipe holds.
+        engine.add_many([("busy", GenerationRequest(prompt="busy", max_new_tokens=20))])
+        await reports.get()
+        big = [  # 1 MB of prompt each, each its own string (pickle writes a shared one once)
+            (f"big-{i}", GenerationRequest(prompt=f"word{i} " * 170_000, max_new_tokens=2))
+            for i in range(3)
+        ]
+        pid = engine.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            engine.offer(1, big)  # returns: the rest waits for the loop, not the caller
+            engine.admit(1, [(job_id, None) for job_id, _ in big])
+            assert engine._writer.pending_bytes > 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        ended: set[str] = set()
+        while len(ended) < 4:
+            report = await asyncio.wait_for(reports.get(), 30)
+            assert report.fatal is None
+            ended |= {o.job_id for o in report.outputs if isinstance(o, JobEnded)}
+        assert ended == {"busy", "big-0", "big-1", "big-2"}
+        assert engine._writer.pending_bytes == 0
+        await asyncio.to_thread(engine.stop, 20)
+    finally:
+        engine.close()

@@ -9,13 +9,15 @@ import fcntl
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from producer.protocol import GenerationRequest
 from tests.engine_reports import collect_ends
-from worker.command_pipe import FrameReader, FrameWriter, encode_frame
+from worker.command_pipe import PIPE_BYTES, FrameReader, FrameWriter, encode_frame, widen_pipe
 from worker.engine_loop import Admit, Cancel, EngineLoop, Offer, StepReport, Stop
 from worker.engine_process import command_from, command_source
 from worker.engines.base import JobEnded
@@ -61,14 +63,40 @@ def test_a_message_larger_than_the_pipe_arrives_whole(pipe: tuple[int, int]) -> 
     assert taken == [big]
 
 
-def test_part_of_a_frame_waits_for_its_rest(pipe: tuple[int, int]) -> None:
+@pytest.mark.parametrize("cut", [5, 20])  # within the length, within the pickle
+def test_a_message_begun_is_read_to_its_end(pipe: tuple[int, int], cut: int) -> None:
     read_fd, write_fd = pipe
     reader = FrameReader(read_fd)
     frame = encode_frame(("cancel", "job-1"))
-    os.write(write_fd, frame[:5])
-    assert reader.take(block=False) == []
-    os.write(write_fd, frame[5:] + frame)
-    assert reader.take(block=False) == [("cancel", "job-1"), ("cancel", "job-1")]
+    os.write(write_fd, frame[:cut])
+    rest = threading.Timer(0.05, os.write, args=(write_fd, frame[cut:] + frame))
+    begun = time.perf_counter()
+    rest.start()
+    # Not blocking for a new message, but a message whose start has come is taken whole.
+    taken = reader.take(block=False)
+    assert time.perf_counter() - begun >= 0.04
+    rest.join()
+    taken += reader.take(block=False)
+    assert taken == [("cancel", "job-1"), ("cancel", "job-1")]
+
+
+def test_a_writer_gone_in_the_middle_of_a_message_ends_the_reading(
+    pipe: tuple[int, int],
+) -> None:
+    read_fd, write_fd = pipe
+    reader = FrameReader(read_fd)
+    os.write(write_fd, encode_frame(("stop",))[:6])
+    os.close(write_fd)
+    with pytest.raises(EOFError):
+        reader.take(block=False)
+
+
+def test_the_command_pipe_is_widened_where_linux_allows(pipe: tuple[int, int]) -> None:
+    _, write_fd = pipe
+    limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    assert _pipe_bytes(write_fd) < min(PIPE_BYTES, limit)
+    held = widen_pipe(write_fd)
+    assert held == _pipe_bytes(write_fd) == min(PIPE_BYTES, limit)
 
 
 def test_a_closed_writer_ends_the_reading_after_its_last_message(pipe: tuple[int, int]) -> None:
@@ -104,8 +132,9 @@ async def test_with_a_loop_a_full_pipe_never_blocks_the_sender(pipe: tuple[int, 
     await asyncio.to_thread(writer.send, ("stop",))
     taken: list[object] = []
     while len(taken) < 3:
-        await asyncio.sleep(0.001)  # the loop writes as the reader makes room
-        taken += reader.take(block=False)
+        # The reader, in another process in service, takes what the loop writes as it
+        # makes room.
+        taken += await asyncio.to_thread(reader.take, False)
     assert taken == [big, ("admit", 1, []), ("stop",)]
     assert writer.pending_bytes == 0
 
