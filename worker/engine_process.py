@@ -104,10 +104,10 @@ class EngineProcess:
     def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Deliver the child's reports to ``report``. With ``loop`` (the caller's running
         event loop), the loop reads them from the pipe as they arrive and ``report`` runs on
-        its thread; stop() must then be called from another thread, and close() on the
-        loop's. Without, a relay thread reads them and calls ``report`` from there."""
-        if loop is not None:
-            self._writer.attach(loop)  # a command never makes the loop wait for a step
+        its thread, and the loop writes what of a command the pipe cannot take at once;
+        stop() must then be called from another thread, and close() on the loop's.
+        Without, a relay thread reads them and calls ``report`` from there, and a command
+        is written whole before its call returns."""
         if loop is None:
             self._reader = threading.Thread(
                 target=self._relay, args=(report,), name="exlq-engine-reports", daemon=True
@@ -120,6 +120,7 @@ class EngineProcess:
         # read on the event loop").
         self._loop = loop
         loop.add_reader(self._reports.fileno(), self._read_reports, report)
+        self._writer.attach(loop)  # a command never makes the loop wait for a step
 
     def _relay(self, report: ReportSink) -> None:
         while self._deliver(report):
