@@ -19,6 +19,7 @@ import pickle
 import select
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _HEADER = struct.Struct("!Q")
@@ -46,33 +47,28 @@ def encode_frame(message: object) -> bytes:
 class FrameWriter:
     """Writes messages to a pipe. Without an event loop, send() blocks until the frame is in
     the pipe. attach(loop) makes the pipe non-blocking: send() then writes what the pipe
-    takes and leaves the rest to the loop, in order; it may be called from any thread."""
+    takes and leaves the rest to the loop, in order; it may be called from any thread.
+    While bytes wait, the loop watches the pipe for room, and only then."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._lock = threading.Lock()
         self._pending = bytearray()  # written by the loop when the pipe has room
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0
-        self._flushing = False  # the loop watches the pipe for room
         self.broken = False  # the reader is gone: nothing more is written
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Call on the loop's thread, before the loop's first send."""
+        """Write through ``loop`` from now on (before its first send)."""
         os.set_blocking(self._fd, False)
-        self._loop, self._loop_thread = loop, threading.get_ident()
+        self._loop = loop
 
     def detach(self) -> None:
         """Stop writing on the loop (before the pipe closes); what waits is dropped."""
         with self._lock:
             loop, self._loop = self._loop, None
+            if loop is not None and self._pending and not loop.is_closed():
+                _on_loop(loop, loop.remove_writer, self._fd)
             self._pending.clear()
-            if loop is not None and self._flushing and not loop.is_closed():
-                if threading.get_ident() == self._loop_thread:
-                    loop.remove_writer(self._fd)
-                else:
-                    loop.call_soon_threadsafe(loop.remove_writer, self._fd)
-            self._flushing = False
 
     @property
     def pending_bytes(self) -> int:
@@ -93,30 +89,23 @@ class FrameWriter:
             if loop is None:
                 self._write_blocking(frame)
                 return
-            if not self._pending:
-                written = self._write_some(frame)
-                if written == len(frame) or self.broken:
-                    return
-                frame = frame[written:]
-            self._pending += frame
-            if not self._flushing:
-                self._flushing = True
-                if threading.get_ident() == self._loop_thread:
-                    loop.add_writer(self._fd, self._flush)
-                else:
-                    loop.call_soon_threadsafe(loop.add_writer, self._fd, self._flush)
+            if self._pending:  # the loop is waiting for room: this goes behind
+                self._pending += frame
+                return
+            written = self._write_some(frame)
+            if written < len(frame) and not self.broken:
+                self._pending += frame[written:]
+                _on_loop(loop, loop.add_writer, self._fd, self._flush)
 
     def _flush(self) -> None:
         """On the loop, when the pipe has room: write what waits."""
         with self._lock:
-            loop = self._loop
-            if self._pending:
-                written = self._write_some(bytes(self._pending))
-                del self._pending[:written]
-            if (not self._pending or self.broken) and loop is not None:
+            written = self._write_some(bytes(self._pending))
+            del self._pending[:written]
+            if self.broken:
                 self._pending.clear()
-                loop.remove_writer(self._fd)
-                self._flushing = False
+            if not self._pending and self._loop is not None:
+                self._loop.remove_writer(self._fd)
 
     def _write_some(self, data: bytes) -> int:
         try:
@@ -141,54 +130,54 @@ class FrameWriter:
             view = view[written:]
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[..., object], *args: Any) -> None:
+    """Run ``call`` on ``loop``'s thread: now if this is it, else as soon as it can."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        call(*args)
+    else:
+        loop.call_soon_threadsafe(call, *args)
+
+
 class FrameReader:
     """Reads whole messages from a pipe. take() returns every message that has arrived; a
-    frame still arriving stays buffered until its rest comes."""
+    message whose start has arrived is read to its end first."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        os.set_blocking(fd, False)
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # the start of a message still arriving
         self._ended = False  # the writer closed its end
 
     def take(self, block: bool) -> list[Any]:
-        """The messages that have arrived; with ``block``, wait for at least one. A message
-        whose start has arrived is waited for to its end. Raises EOFError once the writer
-        has closed and every whole message was taken."""
+        """The messages that have arrived; with ``block``, wait for at least one. Raises
+        EOFError once the writer has closed and every whole message was taken."""
         while True:
-            self._read_arrived()
-            while self._partial() and not self._ended:
+            messages = self._read_arrived()
+            while self._buffer and not self._ended:
                 self._poll.poll()  # the writer is sending the rest
-                self._read_arrived()
-            messages = self._whole_messages()
+                messages += self._read_arrived()
             if messages or not (block or self._ended):
                 return messages
             if self._ended:
                 raise EOFError("the command pipe was closed")
             self._poll.poll()  # until readable, or the writer closes
 
-    def _read_arrived(self) -> None:
-        while not self._ended:
-            try:
-                data = os.read(self._fd, _READ_SIZE)
-            except BlockingIOError:
-                return
+    def _read_arrived(self) -> list[Any]:
+        """The whole messages among what the pipe holds now. Between steps, when nothing has
+        come, this is one poll() and no read."""
+        while not self._ended and self._poll.poll(0):
+            data = os.read(self._fd, _READ_SIZE)  # readable: returns at once
             if not data:
                 self._ended = True
-                return
             self._buffer += data
             if len(data) < _READ_SIZE:
-                return  # the pipe is empty now; one read fewer
-
-    def _partial(self) -> bool:
-        """The buffer ends in part of a frame."""
-        buffer, start = self._buffer, 0
-        while len(buffer) - start >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(buffer, start)
-            start += _HEADER.size + size
-        return start != len(buffer)
+                break  # the pipe is empty now; one poll fewer
+        return self._whole_messages()
 
     def _whole_messages(self) -> list[Any]:
         messages: list[Any] = []

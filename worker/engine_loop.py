@@ -147,8 +147,7 @@ class EngineLoop:
         # Commands come through add_many() and the like into this queue, or, given a
         # source, from there alone (stop() then only waits for the thread).
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._source: CommandSource = self._queued if commands is None else commands
-        self._own_commands = commands is None
+        self._source = commands
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
         # With overlap_reports, a step's report that only continues streams waits here for the
         # next step's wait for the GPU (Engine.set_wait_work), and goes out in it.
@@ -205,14 +204,14 @@ class EngineLoop:
         self._put(Cancel(job_id))
 
     def _put(self, command: Command) -> None:
-        if not self._own_commands:
+        if self._source is not None:
             raise RuntimeError("this engine loop takes its commands from its command source")
         self._commands.put(command)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the loop and wait for its thread. With a command source of its own, the stop
         must come from there (a Stop); this only waits."""
-        if self._own_commands:
+        if self._source is None:
             self._commands.put(Stop())
         self._thread.join(timeout)
 
@@ -331,7 +330,7 @@ class EngineLoop:
 
     def _take_commands(self, block: bool) -> list[Command]:
         commands, self._deferred = self._deferred, []
-        commands += self._source(block and not commands)
+        commands += (self._source or self._queued)(block and not commands)
         return commands
 
     def _queued(self, block: bool) -> list[Command]:

@@ -24,8 +24,6 @@ from worker.engines.base import JobEnded
 from worker.engines.echo import EchoEngine
 from worker.engines.engine_request import encode_request
 
-F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
-
 
 @pytest.fixture
 def pipe() -> Iterator[tuple[int, int]]:
@@ -37,7 +35,7 @@ def pipe() -> Iterator[tuple[int, int]]:
 
 
 def _pipe_bytes(fd: int) -> int:
-    return fcntl.fcntl(fd, F_GETPIPE_SZ)
+    return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
 
 
 def test_messages_arrive_whole_and_in_order(pipe: tuple[int, int]) -> None:
