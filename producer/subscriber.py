@@ -37,6 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
 from producer.backoff import reconnect_delay_s
+from producer.command_packing import packed_in_c
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,8 @@ class EventRouter:
         self._check_key = check_key
         pool = client.connection_pool
         # The client's own settings (address, TLS, credentials), speaking RESP3, with
-        # replies as bytes whatever the client decodes.
-        self._conn: AbstractConnection = pool.connection_class(
+        # replies as bytes whatever the client decodes; its writes packed in C.
+        self._conn: AbstractConnection = packed_in_c(pool.connection_class)(
             **{**pool.connection_kwargs, "protocol": 3, "decode_responses": False}
         )
         self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from pydantic_core import to_json
 from redis.exceptions import ResponseError
 
 from producer.batch_script import per_job_script, reply_pairs
+from producer.command_packing import packed_in_c
 from producer.keys import CONSUMER_GROUP, QueueKeys
 
 # One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
@@ -159,8 +161,9 @@ class Batch:
     def __len__(self) -> int:
         return len(self.publishes) + len(self.finals)
 
-    def encode(self, keys: QueueKeys) -> tuple[list[str], str]:
-        """The script's KEYS and its batch argument (JSON)."""
+    def encode(self, keys: QueueKeys) -> tuple[list[str], bytes]:
+        """The script's KEYS and its batch argument (JSON; pydantic's writer takes less than
+        half of json.dumps's time for a step's 32 token events)."""
         script_keys = [keys.jobs, keys.dead]
         finals = []
         for f in self.finals:
@@ -185,7 +188,7 @@ class Batch:
             body["publish"] = [[channel, event] for channel, event in self.publishes]
         if finals:
             body["finals"] = finals
-        return script_keys, json.dumps(body)
+        return script_keys, to_json(body)
 
 
 def _flat(fields: dict[str, str] | None) -> list[str] | None:
@@ -214,6 +217,8 @@ class Broker:
     @classmethod
     def from_url(cls, url: str, keys: QueueKeys, consumer: str, **options: Any) -> Broker:
         client = aioredis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=15)
+        pool = client.connection_pool
+        pool.connection_class = packed_in_c(pool.connection_class)
         return cls(client, keys, consumer, **options)
 
     async def close(self) -> None:
