@@ -328,21 +328,21 @@ class AsyncProducer:
         missed. Submitting an id that exists returns a handle to that same job. Submits made
         at once (from many tasks) go to Redis together: one SUBSCRIBE and one script, in one
         write."""
-        if request is None:
-            request = build_request(prompt, fields)
-        elif prompt is not None or fields:
+        if request is not None and (prompt is not None or fields):
             raise TypeError("pass either request= or prompt and fields, not both")
-        submitted = await self._submits.submit(
-            request.id, request.model_dump_json(exclude_none=True)
+        # Only the id and the JSON wait for Redis: a request built here (its prompt's
+        # ids are a list of hundreds) is freed before the wait, not carried into the
+        # young generation of the host process's collector (docs/PERFORMANCE.md).
+        job_id, request_json = _wire_form(
+            request if request is not None else build_request(prompt, fields)
         )
+        submitted = await self._submits.submit(job_id, request_json)
         if submitted.outcome == "full":
             raise QueueFull(
                 f"queue {self.keys.queue!r} holds {submitted.detail} jobs, at its limit of "
                 f"{self.max_backlog}: retry later or add workers"
             )
-        return JobHandle(
-            self, request.id, submitted.events, duplicate=submitted.outcome == "duplicate"
-        )
+        return JobHandle(self, job_id, submitted.events, duplicate=submitted.outcome == "duplicate")
 
     async def get_result(self, job_id: str) -> JobResult | None:
         raw = await self._redis.get(self.keys.result(job_id))
@@ -370,6 +370,11 @@ class AsyncProducer:
     async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
         with contextlib.suppress(Exception):
             await self._router.unsubscribe_many([(self.keys.events(job_id), events)])
+
+
+def _wire_form(request: GenerationRequest) -> tuple[str, str]:
+    """The job's id and the JSON a worker reads."""
+    return request.id, request.model_dump_json(exclude_none=True)
 
 
 def _log_retry(state: RetryCallState) -> None:
