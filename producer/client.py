@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from producer.backoff import REDIS_BACKOFF
-from producer.command_packing import packed_in_c
+from producer.command_packing import pack_in_c
 from producer.errors import ExlqError, JobFailed, JobRestarted, QueueFull
 from producer.keys import DEFAULT_PREFIX, QueueKeys
 from producer.protocol import (
@@ -300,7 +300,7 @@ class AsyncProducer:
             pool = aioredis.BlockingConnectionPool.from_url(
                 redis_url, max_connections=max(max_connections, 1), timeout=None
             )
-            pool.connection_class = packed_in_c(pool.connection_class)
+            pack_in_c(pool)
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
         self._router = EventRouter(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import codecs
 from typing import Any, TypeVar, cast
 
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.connection import HiredisRespSerializer
 from redis.typing import EncodableT
 
@@ -43,6 +43,11 @@ def packed_in_c(connection_class: type[ConnectionT]) -> type[ConnectionT]:
         name = f"{connection_class.__name__}PackedInC"
         made = _made[connection_class] = type(name, (_PackedInC, connection_class), {})
     return cast("type[ConnectionT]", made)
+
+
+def pack_in_c(pool: ConnectionPool) -> None:
+    """Make the connections ``pool`` opens from now on pack their commands in C."""
+    pool.connection_class = packed_in_c(pool.connection_class)
 
 
 class _PackedInC(AbstractConnection):

@@ -13,7 +13,7 @@ from pydantic_core import to_json
 from redis.exceptions import ResponseError
 
 from producer.batch_script import per_job_script, reply_pairs
-from producer.command_packing import packed_in_c
+from producer.command_packing import pack_in_c
 from producer.keys import CONSUMER_GROUP, QueueKeys
 
 # One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
@@ -217,8 +217,7 @@ class Broker:
     @classmethod
     def from_url(cls, url: str, keys: QueueKeys, consumer: str, **options: Any) -> Broker:
         client = aioredis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=15)
-        pool = client.connection_pool
-        pool.connection_class = packed_in_c(pool.connection_class)
+        pack_in_c(client.connection_pool)
         return cls(client, keys, consumer, **options)
 
     async def close(self) -> None:

@@ -100,14 +100,14 @@ class FrameWriter:
     def _flush(self) -> None:
         """On the loop, when the pipe has room: write what waits."""
         with self._lock:
-            written = self._write_some(bytes(self._pending))
+            written = self._write_some(self._pending)
             del self._pending[:written]
             if self.broken:
                 self._pending.clear()
             if not self._pending and self._loop is not None:
                 self._loop.remove_writer(self._fd)
 
-    def _write_some(self, data: bytes) -> int:
+    def _write_some(self, data: bytes | bytearray) -> int:
         try:
             return os.write(self._fd, data)
         except BlockingIOError:
@@ -180,8 +180,10 @@ class FrameReader:
         return self._whole_messages()
 
     def _whole_messages(self) -> list[Any]:
-        messages: list[Any] = []
         buffer, start = self._buffer, 0
+        if len(buffer) < _HEADER.size:  # a step's look at an empty pipe ends here
+            return []
+        messages: list[Any] = []
         with memoryview(buffer) as view:
             while len(buffer) - start >= _HEADER.size:
                 (size,) = _HEADER.unpack_from(buffer, start)
