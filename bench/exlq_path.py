@@ -101,6 +101,16 @@ def add_gc_option(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sdk_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--pack-ids",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the SDK sends each prompt's ids as input_ids_b64, one base64 string "
+        "(AsyncProducer(pack_ids=True)); --no-pack-ids sends them as an input_ids list",
+    )
+
+
 def freeze_loaded_objects() -> None:
     """gc.collect(), then gc.freeze(): the objects loaded so far (a model, its tokenizer,
     exllamav2 and torch) leave the collector's generations, so a full collection during a
@@ -231,6 +241,7 @@ async def _run_point(
     prompts: list[list[int]],
     max_new_tokens: int,
     after_warm_up: Callable[[], object],
+    pack_ids: bool,
 ) -> tuple[float, float, list[list[float]], int, dict[str, list[float]]]:
     """Times are per token event as the SDK receives it: a chunk of several tokens (text held
     back by the generator, e.g. partial UTF-8) is one arrival. The parts of the TTFT come
@@ -240,7 +251,7 @@ async def _run_point(
     kernel variants compile there, the prefix cache learns nothing of the real prompts, and
     the producer's connections are open before the clock starts, as in a service that keeps
     its producer."""
-    async with AsyncProducer(redis_url, queue=QUEUE) as producer:
+    async with AsyncProducer(redis_url, queue=QUEUE, pack_ids=pack_ids) as producer:
         # Submitted at once, as the run does, so the producer's pool holds as many open
         # connections as the run will use.
         handles = await asyncio.gather(
@@ -302,9 +313,11 @@ class ExlqPath:
         engine: str = "exllamav2",
         worker_module: str = "producer.cli",
         worker_env: dict[str, str] | None = None,
+        pack_ids: bool = True,
     ) -> None:
         """``worker_module`` runs the worker's CLI (bench.path_trace runs it traced), with
-        ``worker_env`` added to this process's environment."""
+        ``worker_env`` added to this process's environment. ``pack_ids``: the SDK sends
+        prompts as input_ids_b64 (AsyncProducer(pack_ids=...))."""
         self.model_dir = Path(model_dir)
         self.options = {
             "--engine": engine,
@@ -327,6 +340,7 @@ class ExlqPath:
         self.redis_cpus = redis_cpus
         self.worker_module = worker_module
         self.worker_env = worker_env
+        self.pack_ids = pack_ids
         self.load_s = 0.0
         self._redis = RedisServer()
         self._worker: WorkerProcess | None = None
@@ -397,7 +411,9 @@ class ExlqPath:
             threads_before.update(thread_clock.snapshot(pids))
 
         t0, t_end, times, completion, parts = asyncio.run(
-            _run_point(self._redis.url, warm_up, prompts, max_new_tokens, read_step_metrics)
+            _run_point(
+                self._redis.url, warm_up, prompts, max_new_tokens, read_step_metrics, self.pack_ids
+            )
         )
         spent = thread_clock.diff(threads_before, thread_clock.snapshot(pids))
         self._last_run = (pids, engine_pid, spent)
@@ -416,6 +432,7 @@ class ExlqPath:
         )
         out.update(
             {
+                "sdk_pack_ids": self.pack_ids,
                 "steps": int(steps),
                 "step_ms_mean": step_sum / steps * 1000 if steps else None,
                 "max_batch_size": int(self.options["--max-batch-size"]),

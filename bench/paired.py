@@ -35,6 +35,7 @@ from bench.exlq_path import (
     ExlqPath,
     add_engine_options,
     add_gc_option,
+    add_sdk_option,
     add_worker_options,
     engine_options,
     freeze_loaded_objects,
@@ -118,6 +119,7 @@ def measure(
             worker_cpus=place.server,
             redis_cpus=place.load,
             worker_switches=worker_options(args),
+            pack_ids=args.pack_ids,
             **engine_options(args),
         ) as path:
             if args.freeze_gc:
@@ -414,6 +416,7 @@ def main() -> None:
     add_engine_options(ap)  # both systems alike
     add_worker_options(ap)
     add_gc_option(ap)
+    add_sdk_option(ap)
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
     ap.add_argument(
         "--stepper-cpu",
@@ -443,6 +446,7 @@ def main() -> None:
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
         + ("" if args.freeze_gc else " --no-freeze-gc")
+        + ("" if args.pack_ids else " --no-pack-ids")
         + ("" if args.stepper_cpu == "auto" else f" --stepper-cpu {args.stepper_cpu}")
         + "".join(
             f" {switch_flag(name, on)}"

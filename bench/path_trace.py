@@ -652,7 +652,12 @@ def stage_table(runs: list[Record]) -> str:
 
 
 def main() -> None:
-    from bench.exlq_path import add_engine_options, add_gc_option, add_worker_options
+    from bench.exlq_path import (
+        add_engine_options,
+        add_gc_option,
+        add_sdk_option,
+        add_worker_options,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", default="1b")
@@ -664,6 +669,7 @@ def main() -> None:
     add_engine_options(ap)
     add_worker_options(ap)
     add_gc_option(ap)
+    add_sdk_option(ap)
     ap.add_argument("--worker-cpus", default="auto")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", type=Path, help="folder for the timelines (and the trace files)")
@@ -806,6 +812,7 @@ def measure(args: argparse.Namespace, model: Path, shape: str) -> list[Record]:
             worker_module="bench.path_trace",
             worker_env={TRACE_ENV: str(trace_dir)},
             worker_switches=worker_options(args),
+            pack_ids=args.pack_ids,
             **engine_options(args),
         ) as path:
             systems = TracedSystems(

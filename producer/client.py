@@ -19,6 +19,7 @@ from producer.backoff import REDIS_BACKOFF
 from producer.command_packing import pack_in_c
 from producer.errors import ExlqError, JobFailed, JobRestarted, QueueFull
 from producer.keys import DEFAULT_PREFIX, QueueKeys
+from producer.packed_ids import PackedIds
 from producer.protocol import (
     DoneEvent,
     ErrorEvent,
@@ -288,9 +289,16 @@ class AsyncProducer:
         state_ttl_s: int = DEFAULT_STATE_TTL_S,
         max_connections: int = 32,
         client: aioredis.Redis | None = None,
+        pack_ids: bool = False,
     ) -> None:
+        """``pack_ids=True`` sends a submit's ``input_ids`` as ``input_ids_b64``, one base64
+        string instead of a JSON number per id: a 256-id prompt costs the SDK and the worker
+        about half the CPU (docs/PERFORMANCE.md). Turn it on once every worker on the queue
+        runs an exlq that reads the field: an older worker refuses such a job, with an
+        error event that names the field."""
         self.keys = QueueKeys(queue=queue, prefix=prefix)
         self.max_backlog = max_backlog
+        self.pack_ids = pack_ids
         self.state_ttl_s = state_ttl_s
         self._owns_client = client is None
         if client is None:
@@ -333,6 +341,8 @@ class AsyncProducer:
         # Only the id and the JSON wait for Redis: a request built here (its prompt's
         # ids are a list of hundreds) is freed before the wait, not carried into the
         # young generation of the host process's collector (docs/PERFORMANCE.md).
+        if self.pack_ids and "input_ids" in fields:
+            fields = _with_packed_ids(fields)
         job_id, request_json = _wire_form(
             request if request is not None else build_request(prompt, fields)
         )
@@ -370,6 +380,17 @@ class AsyncProducer:
     async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
         with contextlib.suppress(Exception):
             await self._router.unsubscribe_many([(self.keys.events(job_id), events)])
+
+
+def _with_packed_ids(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields with input_ids as input_ids_b64. Ids that do not pack (not a list of
+    ints from 0 to 2**32 - 1) stay as they are, for the request's validation to name the
+    one at fault."""
+    try:
+        packed = PackedIds.from_ids(fields["input_ids"])
+    except (TypeError, ValueError):
+        return fields
+    return {**{k: v for k, v in fields.items() if k != "input_ids"}, "input_ids_b64": packed}
 
 
 def _wire_form(request: GenerationRequest) -> tuple[str, str]:

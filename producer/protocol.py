@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,6 +20,7 @@ from pydantic import (
 from pydantic_core import to_json
 
 from producer.keys import NAME_PATTERN
+from producer.packed_ids import PackedIds
 
 PROTOCOL_VERSION: Literal[1] = 1
 # Hard bounds of the contract. Workers may configure tighter limits.
@@ -29,6 +31,7 @@ MAX_TOP_LOGPROBS = 20
 FinishReason = Literal["stop", "length", "cancelled", "expired"]
 JobState = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 ChatRole = Literal["system", "user", "assistant"]
+INPUTS = ("prompt", "messages", "input_ids", "input_ids_b64")
 
 
 def final_state(reason: FinishReason) -> JobState:
@@ -86,6 +89,14 @@ class GenerationRequest(WireModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     input_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    input_ids_b64: PackedIds | None = Field(
+        None,
+        description=(
+            "the prompt's token ids packed: base64 (RFC 4648, padded) of little-endian "
+            "unsigned 32-bit integers; the same ids as input_ids, read and written as one "
+            "string instead of one JSON number each"
+        ),
+    )
     max_new_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     sampling: Sampling = Field(default_factory=Sampling)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(
@@ -105,6 +116,19 @@ class GenerationRequest(WireModel):
         None, gt=0, description="Unix time in seconds after which the job is not worth running"
     )
     metadata: dict[str, JsonValue] | None = None
+
+    @property
+    def prompt_ids(self) -> Sequence[int] | None:
+        """The prompt's token ids, from input_ids or input_ids_b64 (then an array of
+        unsigned 32-bit ints); None for a prompt or messages."""
+        if self.input_ids is not None:
+            return self.input_ids
+        return None if self.input_ids_b64 is None else self.input_ids_b64.ids
+
+    @property
+    def input_field(self) -> str:
+        """The name of the field that holds the prompt."""
+        return next(name for name in INPUTS if getattr(self, name) is not None)
 
     def past_deadline(self, now: float) -> bool:
         """Whether the job's deadline (if any) has passed at Unix time ``now``."""
@@ -127,12 +151,10 @@ class GenerationRequest(WireModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
-        given = [
-            name for name in ("prompt", "messages", "input_ids") if getattr(self, name) is not None
-        ]
+        given = [name for name in INPUTS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
-                "give exactly one of prompt, messages or input_ids "
+                "give exactly one of prompt, messages, input_ids or input_ids_b64 "
                 f"(got {', '.join(given) if given else 'none'})"
             )
         return self

@@ -50,17 +50,12 @@ class RequestLimits:
         chars = (
             len(request.prompt or "")
             + sum(len(m.content) for m in request.messages or [])
-            + len(request.input_ids or [])
+            + len(request.prompt_ids or ())
         )
         if chars > self.max_prompt_chars:
-            field = next(
-                name
-                for name in ("prompt", "messages", "input_ids")
-                if getattr(request, name) is not None
-            )
             raise InvalidRequest(
-                f"{field}: {chars} characters (or tokens) is over this worker's limit of "
-                f"{self.max_prompt_chars} (EXLQ_MAX_PROMPT_CHARS)"
+                f"{request.input_field}: {chars} characters (or tokens) is over this worker's "
+                f"limit of {self.max_prompt_chars} (EXLQ_MAX_PROMPT_CHARS)"
             )
         if request.metadata is not None:
             size = len(json.dumps(request.metadata, separators=(",", ":")))

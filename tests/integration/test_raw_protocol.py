@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import subprocess
@@ -11,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from producer.protocol import DoneEvent, TokenEvent, parse_event
+from producer.protocol import DoneEvent, GenerationRequest, TokenEvent, parse_event
 from worker.embedded_redis import RedisServer, find_redis_server
+from worker.engines.echo import echo_text
 
 pytestmark = pytest.mark.integration
 
@@ -72,3 +74,28 @@ async def test_redis_cli_producer(
         check=True,
     )
     assert json.loads(stored.stdout)["text"] == text
+
+
+async def test_redis_cli_producer_of_packed_token_ids(
+    redis_server: RedisServer, queue_name: str, start_worker: Any
+) -> None:
+    # A producer in another language packs ids as little-endian uint32 and base64 on its own.
+    await start_worker()
+    cli = [redis_cli(), "-p", str(redis_server.port)]
+    ids = [17, 4_000, 31_999, 200_000]
+    packed = base64.b64encode(b"".join(i.to_bytes(4, "little") for i in ids)).decode()
+    job = {"id": "cli-job-2", "input_ids_b64": packed, "max_new_tokens": 5}
+    subprocess.run(
+        [*cli, "XADD", f"exlq:{{{queue_name}}}:jobs", "*", "job", json.dumps(job)],
+        capture_output=True,
+        check=True,
+    )
+    key = f"exlq:{{{queue_name}}}:result:cli-job-2"
+    async with asyncio.timeout(10):
+        while not (
+            stored := subprocess.run([*cli, "GET", key], capture_output=True, text=True)
+        ).stdout.strip():
+            await asyncio.sleep(0.05)
+    result = json.loads(stored.stdout)
+    assert result["state"] == "done"
+    assert result["text"] == echo_text(GenerationRequest(input_ids=ids, max_new_tokens=5))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -125,3 +126,25 @@ async def test_a_stream_whose_events_never_come_ends_from_the_stored_result(
         result = await handle.result(timeout=10)
     assert result.text == "from the store"
     assert result.state == "done"
+
+
+async def test_packed_ids_reach_the_engine_as_the_same_prompt(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: Any
+) -> None:
+    # pack_ids=True writes input_ids as input_ids_b64; the worker reads the same ids.
+    await start_worker()
+    ids = [5, 31_999, 70_000, 2**31 + 1]
+    async with AsyncProducer(redis_url, queue=queue_name, pack_ids=True) as producer:
+        packed = await (await producer.submit(input_ids=ids, max_new_tokens=6)).result(timeout=10)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        listed = await (await producer.submit(input_ids=ids, max_new_tokens=6)).result(timeout=10)
+    assert packed.state == listed.state == "done"
+    assert (
+        packed.text == listed.text == echo_text(GenerationRequest(input_ids=ids, max_new_tokens=6))
+    )
+    entries = await redis_client.xrange(f"exlq:{{{queue_name}}}:jobs")
+    wire = [json.loads(fields[b"job"]) for _, fields in entries]
+    assert [("input_ids_b64" in job, "input_ids" in job) for job in wire] == [
+        (True, False),
+        (False, True),
+    ]

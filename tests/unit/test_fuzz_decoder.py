@@ -5,11 +5,13 @@ returns a request or raises ``InvalidRequest`` with a message naming the field a
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import math
 import re
 import string
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +80,15 @@ inputs = (
     | st.fixed_dictionaries(
         {"input_ids": st.lists(st.integers(min_value=0), min_size=1, max_size=20)}
     )
+    | st.fixed_dictionaries(
+        {
+            "input_ids_b64": st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=20).map(
+                lambda ids: base64.b64encode(struct.pack(f"<{len(ids)}I", *ids)).decode()
+            )
+        }
+    )
 )
+INPUT_FIELDS = ("prompt", "messages", "input_ids", "input_ids_b64")
 token_id_lists = st.lists(st.integers(min_value=0), max_size=MAX_STOP_STRINGS)
 string_lists = st.lists(st.text(min_size=1, max_size=10), max_size=MAX_STOP_STRINGS)
 options = st.fixed_dictionaries(
@@ -334,6 +344,22 @@ MUTATIONS: dict[str, Any] = {
         st.lists(ints_outside(0, None), min_size=1, max_size=3),
         st.lists(not_an_int, min_size=1, max_size=3),
     ),
+    "input_ids_b64": st.one_of(
+        not_a_str,
+        st.just(""),
+        # Not base64: a character outside its alphabet, or padding missing or misplaced.
+        st.text(min_size=1, max_size=12).filter(
+            lambda s: (
+                not re.fullmatch(
+                    r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?", s
+                )
+            )
+        ),
+        # Base64 of bytes that are not whole 32-bit ids.
+        st.binary(min_size=1, max_size=30)
+        .filter(lambda b: len(b) % 4 != 0)
+        .map(lambda b: base64.b64encode(b).decode()),
+    ),
     "max_new_tokens": ints_outside(1, MAX_NEW_TOKENS_LIMIT) | not_an_int | st.none(),
     "sampling": not_a_list.filter(lambda v: not isinstance(v, dict))
     | st.lists(st.integers(), max_size=2)
@@ -401,7 +427,7 @@ def test_a_deleted_field_means_its_default_or_a_request_error(
     key = data.draw(st.sampled_from(sorted(base)))
     rest = {k: v for k, v in base.items() if k != key}
     outcome = decode(_dumps(rest))
-    if key in ("prompt", "messages", "input_ids"):
+    if key in INPUT_FIELDS:
         assert isinstance(outcome, InvalidRequest)
         assert str(outcome).startswith("request: ") and "exactly one of" in str(outcome)
     else:
@@ -419,10 +445,10 @@ def test_more_than_one_input_is_a_request_error(
     merged = {**base}
     for given_input in extra:
         merged.update(given_input)
-    assume(sum(k in merged for k in ("prompt", "messages", "input_ids")) > 1)
+    assume(sum(k in merged for k in INPUT_FIELDS) > 1)
     outcome = decode(_dumps(merged))
     assert isinstance(outcome, InvalidRequest)
-    assert "exactly one of prompt, messages or input_ids" in str(outcome)
+    assert "exactly one of prompt, messages, input_ids or input_ids_b64" in str(outcome)
 
 
 # -- events ------------------------------------------------------------------------------

@@ -46,7 +46,10 @@ def test_minimal_request_gets_defaults_and_an_id() -> None:
         ({"prompt": "x", "id": "has space"}, "id"),
         ({"prompt": "x", "id": "{tag}"}, "id"),
         ({"prompt": "x", "v": 2}, "v"),
-        ({"prompt": "x", "input_ids": [1]}, "exactly one of prompt, messages or input_ids"),
+        (
+            {"prompt": "x", "input_ids": [1]},
+            "exactly one of prompt, messages, input_ids or input_ids_b64",
+        ),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": []}, "messages"),
     ],

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from producer.packed_ids import PackedIds
 from producer.protocol import GenerationRequest, Sampling
 from worker.engine_process import EngineProcess
 from worker.engines.echo import EchoEngine, echo_text
@@ -30,7 +31,7 @@ from worker.settings import WorkerSettings
 REQUEST_FIELDS = [
     "prompt",
     "messages",
-    "input_ids",
+    "prompt_ids",
     "max_new_tokens",
     "sampling",
     "stop",
@@ -68,6 +69,7 @@ def _requests() -> list[GenerationRequest]:
                 typical=0.9,
             ),
         ),
+        GenerationRequest(input_ids_b64=PackedIds.from_ids([1, 31_999, 2**32 - 1, 0])),
     ]
 
 
@@ -104,7 +106,9 @@ def test_the_packed_form_carries_every_field_an_engine_reads() -> None:
     assert sorted(PackedSampling._fields) == sorted(SAMPLING_FIELDS)
 
 
-@pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
+@pytest.mark.parametrize(
+    "request_", _requests(), ids=["prompt", "messages", "input_ids", "input_ids_b64"]
+)
 def test_a_request_reads_as_it_was_after_the_pipe(request_: GenerationRequest) -> None:
     crossed = _crossed(request_)
     assert isinstance(crossed, PackedRequest)
@@ -116,7 +120,9 @@ def test_a_request_reads_as_it_was_after_the_pipe(request_: GenerationRequest) -
     assert _read(_crossed(crossed)) == _read(request_)  # a packed request crosses again
 
 
-@pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
+@pytest.mark.parametrize(
+    "request_", _requests(), ids=["prompt", "messages", "input_ids", "input_ids_b64"]
+)
 def test_the_wire_form_pickles_without_a_class(request_: GenerationRequest) -> None:
     # Plain tuples, strings and bytes: pickle calls no Python code to write or read them,
     # where a named tuple, an array or a pydantic model costs µs each way (the worker and
@@ -126,12 +132,15 @@ def test_the_wire_form_pickles_without_a_class(request_: GenerationRequest) -> N
     assert not opcodes & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD"}
 
 
-def test_token_ids_cross_as_int32_bytes_and_read_as_an_int32_array() -> None:
-    wire = encode_request(GenerationRequest(input_ids=[5, 6, 2**31 - 1]))
-    assert isinstance(wire[2], bytes) and len(wire[2]) == 12
-    ids = decode_request(wire).input_ids
-    assert isinstance(ids, array.array) and ids.typecode == "i"
-    assert ids.tolist() == [5, 6, 2**31 - 1]
+@pytest.mark.parametrize("field", ["input_ids", "input_ids_b64"])
+def test_token_ids_cross_as_uint32_bytes_and_read_as_a_uint32_array(field: str) -> None:
+    given = [5, 6, 2**31, 2**32 - 1]
+    value = given if field == "input_ids" else PackedIds.from_ids(given).text
+    wire = encode_request(GenerationRequest.model_validate({field: value}))
+    assert isinstance(wire[2], bytes) and len(wire[2]) == 16
+    ids = decode_request(wire).prompt_ids
+    assert isinstance(ids, array.array) and ids.typecode == "I"
+    assert ids.tolist() == given
 
 
 def test_eight_jobs_of_256_ids_go_in_one_pipe_write() -> None:
@@ -142,23 +151,25 @@ def test_eight_jobs_of_256_ids_go_in_one_pipe_write() -> None:
     assert len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)) <= 16_384
 
 
-@pytest.mark.parametrize("ids", [[0], [31999, 0, 7], list(range(2**31 - 300, 2**31))])
+@pytest.mark.parametrize("ids", [[0], [31999, 0, 7], list(range(2**32 - 300, 2**32))])
 def test_token_ids_pack_to_the_same_values(ids: list[int]) -> None:
     packed = pack_ids(ids)
-    assert isinstance(packed, array.array) and packed.typecode == "i"
+    assert isinstance(packed, array.array) and packed.typecode == "I"
     assert packed.tolist() == ids
     assert pack_ids(packed) is packed  # packed once
 
 
-@pytest.mark.parametrize("ids", [[3, 2**64 + 5], [2**31], [1, 2**40], [1, -(2**31) - 1]])
+@pytest.mark.parametrize("ids", [[3, 2**64 + 5], [2**32], [1, 2**40], [1, -1]])
 def test_an_id_too_large_for_32_bits_crosses_as_it_is(ids: list[int]) -> None:
     # The engine refuses it against its vocabulary; packing must not fail the worker.
     assert pack_ids(ids) == tuple(ids)
     if min(ids) >= 0:
-        assert list(_crossed(GenerationRequest(input_ids=ids)).input_ids or []) == ids
+        assert list(_crossed(GenerationRequest(input_ids=ids)).prompt_ids or []) == ids
 
 
-@pytest.mark.parametrize("request_", _requests(), ids=["prompt", "messages", "input_ids"])
+@pytest.mark.parametrize(
+    "request_", _requests(), ids=["prompt", "messages", "input_ids", "input_ids_b64"]
+)
 def test_an_engine_makes_the_same_text_of_either_form(request_: GenerationRequest) -> None:
     assert echo_text(_crossed(request_)) == echo_text(request_)
     engine = EchoEngine(capacity=2, tokens_per_second=1_000_000)

@@ -20,7 +20,7 @@ def prompt_words(request: EngineRequest) -> list[str]:
     elif request.messages is not None:
         text = request.messages[-1].content
     else:
-        text = " ".join(f"t{token_id}" for token_id in request.input_ids or [])
+        text = " ".join(f"t{token_id}" for token_id in request.prompt_ids or [])
     return text.split() or ["echo"]
 
 

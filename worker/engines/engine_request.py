@@ -9,12 +9,14 @@ path of a burst's first token: there, unpickling a GenerationRequest of 256 ids 
 its ids into an array took 81 µs of the engine process's time a job on the H100, a third
 of what the job cost it before its first step (`docs/PERFORMANCE.md`, "The way in: a
 request in the engine process's form"). So the worker encodes each request as a
-WireRequest: plain tuples and strings, its ids the bytes of an int32 array. On the H100's
+WireRequest: plain tuples and strings, its ids the bytes of a uint32 array. On the H100's
 host, pickling an 8-job offer took 0.8 µs a job and unpickling it 0.8, against 5.7 and
 3.1 for the same fields as named tuples with an int64 array, and 8 jobs of 256 ids fit in
 one pipe write (`docs/PERFORMANCE.md`, "Requests across the pipe as plain tuples, and
 reports read on the event loop"). The engine process decodes it into a PackedRequest
-(2.1 µs), whose ids are the int32 array the engine reads without a copy.
+(2.1 µs), whose ids are the uint32 array the engine reads without a copy. A request whose
+ids came packed (input_ids_b64) holds them as that array from its validation on: the
+worker never turns them into Python ints.
 """
 
 from __future__ import annotations
@@ -52,14 +54,15 @@ class SamplingFields(Protocol):
 
 class EngineRequest(Protocol):
     """A request as an engine reads it: a GenerationRequest, or a PackedRequest. Exactly
-    one of prompt, messages and input_ids is set, as GenerationRequest validates."""
+    prompt, messages or prompt_ids is set (the ids of input_ids or input_ids_b64), as
+    GenerationRequest validates."""
 
     @property
     def prompt(self) -> str | None: ...
     @property
     def messages(self) -> Sequence[ChatMessage] | None: ...
     @property
-    def input_ids(self) -> Sequence[int] | None: ...
+    def prompt_ids(self) -> Sequence[int] | None: ...
     @property
     def max_new_tokens(self) -> int: ...
     @property
@@ -106,13 +109,13 @@ class PackedSampling(NamedTuple):
 
 
 class PackedRequest(NamedTuple):
-    """A validated request's engine fields as tuples; its token ids as an int32 array (a
+    """A validated request's engine fields as tuples; its token ids as a uint32 array (a
     tuple where an id does not fit in 32 bits: the engine refuses such an id with its
     vocabulary's bounds, which are far below)."""
 
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
-    input_ids: array.array[int] | tuple[int, ...] | None
+    prompt_ids: array.array[int] | tuple[int, ...] | None
     max_new_tokens: int
     sampling: PackedSampling
     stop: tuple[str, ...]
@@ -123,7 +126,7 @@ class PackedRequest(NamedTuple):
 
 
 # PackedRequest's fields with the sampling settings a plain tuple, messages (role, content)
-# pairs and the ids the bytes of an int32 array (or a tuple of ids, as in PackedRequest).
+# pairs and the ids the bytes of a uint32 array (or a tuple of ids, as in PackedRequest).
 WireRequest = tuple[
     str | None,
     tuple[tuple[ChatRole, str], ...] | None,
@@ -141,7 +144,7 @@ WireRequest = tuple[
 def encode_request(request: EngineRequest) -> WireRequest:
     """The request as it crosses the pipe into the engine process."""
     s = request.sampling
-    ids = request.input_ids
+    ids = request.prompt_ids
     return (
         request.prompt,
         None if request.messages is None else tuple((m.role, m.content) for m in request.messages),
@@ -190,20 +193,20 @@ def decode_request(wire: WireRequest) -> PackedRequest:
 
 
 def _ids_wire(ids: Sequence[int]) -> bytes | tuple[int, ...]:
-    if isinstance(ids, array.array) and ids.typecode == "i":
+    if isinstance(ids, array.array) and ids.typecode == "I":
         return ids.tobytes()
     try:
-        return struct.pack(f"{len(ids)}i", *ids)
+        return struct.pack(f"{len(ids)}I", *ids)
     except struct.error:  # an id past 32 bits
         return tuple(ids)
 
 
 def pack_ids(ids: Sequence[int]) -> array.array[int] | tuple[int, ...]:
-    """Token ids as an int32 array (kept as they are if they are one already); a tuple if
+    """Token ids as a uint32 array (kept as they are if they are one already); a tuple if
     one does not fit. The array is filled from struct.pack's bytes: for 256 ids that took
     half the time of array("q", ids), which converts and stores one item at a time (7-8 µs
     against 14-15 on the development machine, Python 3.11 and 3.12)."""
-    if isinstance(ids, array.array) and ids.typecode == "i":
+    if isinstance(ids, array.array) and ids.typecode == "I":
         return ids
     return _ids_of(_ids_wire(ids))
 
@@ -211,6 +214,6 @@ def pack_ids(ids: Sequence[int]) -> array.array[int] | tuple[int, ...]:
 def _ids_of(wire: bytes | tuple[int, ...]) -> array.array[int] | tuple[int, ...]:
     if isinstance(wire, tuple):
         return wire
-    ids = array.array("i")
+    ids = array.array("I")
     ids.frombytes(wire)
     return ids
