@@ -105,9 +105,9 @@ def add_sdk_option(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--pack-ids",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="the SDK sends each prompt's ids as input_ids_b64, one base64 string "
-        "(AsyncProducer(pack_ids=True)); --no-pack-ids sends them as an input_ids list",
+        "(AsyncProducer(pack_ids=True)); by default, as the SDK does, an input_ids list",
     )
 
 
@@ -313,7 +313,7 @@ class ExlqPath:
         engine: str = "exllamav2",
         worker_module: str = "producer.cli",
         worker_env: dict[str, str] | None = None,
-        pack_ids: bool = True,
+        pack_ids: bool = False,
     ) -> None:
         """``worker_module`` runs the worker's CLI (bench.path_trace runs it traced), with
         ``worker_env`` added to this process's environment. ``pack_ids``: the SDK sends

@@ -446,7 +446,7 @@ def main() -> None:
         "command": f"python -m bench.paired --shape {args.shape} --concurrency "
         f"{','.join(map(str, args.concurrency))} --repeats {args.repeats}"
         + ("" if args.freeze_gc else " --no-freeze-gc")
-        + ("" if args.pack_ids else " --no-pack-ids")
+        + (" --pack-ids" if args.pack_ids else "")
         + ("" if args.stepper_cpu == "auto" else f" --stepper-cpu {args.stepper_cpu}")
         + "".join(
             f" {switch_flag(name, on)}"
