@@ -54,7 +54,7 @@ class PackedIds:
     def from_ids(cls, ids: Sequence[int]) -> PackedIds:
         """Pack a sequence of ids. Raises ValueError for no ids or an id that is not an int
         from 0 to 2**32 - 1 (a bool packs as 0 or 1, as Python's ints do). For 256 ids this
-        took 16 µs on the development machine, against 37 for validating them as input_ids."""
+        took 17 µs on the development machine, against 37 for validating them as input_ids."""
         if not ids:
             raise ValueError("give at least one id")
         try:
