@@ -90,7 +90,8 @@ def worker_options(args: argparse.Namespace) -> dict[str, bool]:
     return {name: bool(getattr(args, name)) for name in WORKER_SWITCHES}
 
 
-def add_gc_option(ap: argparse.ArgumentParser) -> None:
+def add_client_options(ap: argparse.ArgumentParser) -> None:
+    """The bench process's own switches: its collector, and how its SDK sends ids."""
     ap.add_argument(
         "--freeze-gc",
         action=argparse.BooleanOptionalAction,
@@ -99,9 +100,6 @@ def add_gc_option(ap: argparse.ArgumentParser) -> None:
         "runs (freeze_loaded_objects); without it, a full collection of the loaded model's "
         "objects (about 230 ms on the H100 host) lands in some runs of the SDK's clients",
     )
-
-
-def add_sdk_option(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--pack-ids",
         action=argparse.BooleanOptionalAction,

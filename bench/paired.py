@@ -33,9 +33,8 @@ from bench.exlq_path import (
     GPU_EMBEDDING,
     PREFILL_BATCH_TOKENS,
     ExlqPath,
+    add_client_options,
     add_engine_options,
-    add_gc_option,
-    add_sdk_option,
     add_worker_options,
     engine_options,
     freeze_loaded_objects,
@@ -415,8 +414,7 @@ def main() -> None:
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     add_engine_options(ap)  # both systems alike
     add_worker_options(ap)
-    add_gc_option(ap)
-    add_sdk_option(ap)
+    add_client_options(ap)
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
     ap.add_argument(
         "--stepper-cpu",

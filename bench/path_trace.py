@@ -652,12 +652,7 @@ def stage_table(runs: list[Record]) -> str:
 
 
 def main() -> None:
-    from bench.exlq_path import (
-        add_engine_options,
-        add_gc_option,
-        add_sdk_option,
-        add_worker_options,
-    )
+    from bench.exlq_path import add_client_options, add_engine_options, add_worker_options
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", default="1b")
@@ -668,8 +663,7 @@ def main() -> None:
     ap.add_argument("--steps-shown", type=int, default=8)
     add_engine_options(ap)
     add_worker_options(ap)
-    add_gc_option(ap)
-    add_sdk_option(ap)
+    add_client_options(ap)
     ap.add_argument("--worker-cpus", default="auto")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--out", type=Path, help="folder for the timelines (and the trace files)")

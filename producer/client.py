@@ -387,11 +387,12 @@ def _with_packed_ids(fields: dict[str, Any]) -> dict[str, Any]:
     """The fields with input_ids as input_ids_b64. Ids that do not pack (not a list of
     ints from 0 to 2**32 - 1) stay as they are, for the request's validation to name the
     one at fault."""
+    rest = dict(fields)
     try:
-        packed = PackedIds.from_ids(fields["input_ids"])
+        rest["input_ids_b64"] = PackedIds.from_ids(rest.pop("input_ids"))
     except (TypeError, ValueError):
         return fields
-    return {**{k: v for k, v in fields.items() if k != "input_ids"}, "input_ids_b64": packed}
+    return rest
 
 
 def _wire_form(request: GenerationRequest) -> tuple[str, str]:

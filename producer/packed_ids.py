@@ -65,9 +65,6 @@ class PackedIds:
             binascii.b2a_base64(packed, newline=False).decode("ascii"), _uint32_array(packed)
         )
 
-    def __len__(self) -> int:
-        return len(self.ids)
-
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PackedIds) and other.text == self.text
 

@@ -128,7 +128,10 @@ class GenerationRequest(WireModel):
     @property
     def input_field(self) -> str:
         """The name of the field that holds the prompt."""
-        return next(name for name in INPUTS if getattr(self, name) is not None)
+        return self._inputs_given()[0]
+
+    def _inputs_given(self) -> list[str]:
+        return [name for name in INPUTS if getattr(self, name) is not None]
 
     def past_deadline(self, now: float) -> bool:
         """Whether the job's deadline (if any) has passed at Unix time ``now``."""
@@ -151,7 +154,7 @@ class GenerationRequest(WireModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
-        given = [name for name in INPUTS if getattr(self, name) is not None]
+        given = self._inputs_given()
         if len(given) != 1:
             raise ValueError(
                 "give exactly one of prompt, messages, input_ids or input_ids_b64 "
