@@ -185,6 +185,9 @@ def _summarize(
         "max_new_tokens": max_new_tokens,
         "completion_tokens": completion_tokens,
         "wall_s": wall,
+        # perf_counter at the burst's start: CLOCK_MONOTONIC, one clock across processes
+        # (the GPU clock samples of bench.gpu_clocks line up with it)
+        "started_at": t0,
         "output_tokens_per_s": completion_tokens / wall if wall > 0 else None,
         "ttft_ms_p50": t50,
         "ttft_ms_p99": t99,

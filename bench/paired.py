@@ -42,6 +42,7 @@ from bench.exlq_path import (
     switch_flag,
     worker_options,
 )
+from bench.gpu_clocks import ClockRecorder, run_figures
 from bench.make_checkpoint import model_for
 from bench.placement import Placement, on_cpus, placement, stepper_cpu
 from bench.run import RESULTS, exlq_attention_patch, gpu_name
@@ -111,16 +112,19 @@ def measure(
     with on_cpus(place.server):
         engine = EngineAlone(model, biggest, **engine_options(args))
     try:
-        with ExlqPath(
-            model,
-            max_batch_size=biggest,
-            attention="exlq",
-            worker_cpus=place.server,
-            redis_cpus=place.load,
-            worker_switches=worker_options(args),
-            pack_ids=args.pack_ids,
-            **engine_options(args),
-        ) as path:
+        with (
+            ClockRecorder(cpus=place.load) as clocks,
+            ExlqPath(
+                model,
+                max_batch_size=biggest,
+                attention="exlq",
+                worker_cpus=place.server,
+                redis_cpus=place.load,
+                worker_switches=worker_options(args),
+                pack_ids=args.pack_ids,
+                **engine_options(args),
+            ) as path,
+        ):
             if args.freeze_gc:
                 freeze_loaded_objects()
             if stepper is not None:
@@ -142,6 +146,7 @@ def measure(
                             with on_cpus(place.load):
                                 row = path.run(prompts, warm_up, args.max_new_tokens)
                         after = probe_each(system_cpus)
+                        row.update(_clock_figures(clocks, row))
                         row.update(
                             cpu_probe_ms=_stepper_probes(row, before, after),
                             cpu_probes_ms={cpu: [before[cpu], after[cpu]] for cpu in before},
@@ -158,6 +163,16 @@ def measure(
     finally:
         engine.close()
     return runs
+
+
+def _clock_figures(clocks: ClockRecorder, row: dict[str, Any]) -> dict[str, Any]:
+    """The GPU's clocks in the idle before a run, up to its median first token (its first
+    step) and over the run (bench.gpu_clocks); nothing where NVML cannot be read."""
+    t0 = row["started_at"]
+    samples = clocks.since(t0 - 1.0)
+    if not samples:
+        return {}
+    return run_figures(samples, t0, row["ttft_ms_p50"], t0 + row["wall_s"])
 
 
 def _stepper_note(cpu: int | None) -> str:
@@ -222,6 +237,20 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     p["exlq-engine"].get("build_ms", 0.0) for p in whole
                 ),
                 **_at_equal_speed(whole, ratios),
+                # The GPU's clocks around each system's runs (bench.gpu_clocks).
+                "gpu_clocks": {
+                    f"{system}_{key}": _median_of(whole, system, key)
+                    for system in ("exlq-engine", "exlq")
+                    for key in CLOCK_FIGURES
+                },
+                "gpu_clock_reasons": sorted(
+                    {
+                        name
+                        for p in whole
+                        for r in p.values()
+                        for name in r.get("gpu_clock_reasons", [])
+                    }
+                ),
                 # Where each system's stepping thread spent a step (bench.thread_clock).
                 "threads": {
                     f"{system}_{key}": _median_of(whole, system, key)
@@ -273,6 +302,7 @@ def _at_equal_speed(pairs: list[dict[str, dict[str, Any]]], ratios: list[float])
     }
 
 
+CLOCK_FIGURES = ("gpu_sm_mhz_idle", "gpu_sm_mhz_first", "gpu_sm_mhz_run", "gpu_power_w_run")
 THREAD_FIGURES = (
     "stepper_run_us_per_step",
     "stepper_wait_us_per_step",
@@ -349,7 +379,33 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{_num(t.get('exlq-engine_others_run_us_per_step'))} | "
                 f"{_thread_cell(t, 'exlq')} | {_num(t.get('exlq_others_run_us_per_step'))} |"
             )
+    lines += _clock_lines(summary)
     return "\n".join(lines)
+
+
+def _clock_lines(summary: list[dict[str, Any]]) -> list[str]:
+    if not any(s.get("gpu_clocks", {}).get("exlq_gpu_sm_mhz_run") for s in summary):
+        return []
+    lines = [
+        "",
+        "The GPU's SM clock (NVML, bench.gpu_clocks; MHz, medians of the runs' medians): in "
+        "the 0.09 s idle before a burst, from its start to its median first token (the "
+        "first step), over the run; and the board's power over the run (W):",
+        "",
+        "| N | engine alone: idle / first step / run | W | exlq: idle / first step / run | W "
+        "| NVML's reasons for lower clocks |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        c = s.get("gpu_clocks", {})
+        cells = [
+            " / ".join(_num(c.get(f"{system}_{key}")) for key in CLOCK_FIGURES[:3])
+            + f" | {_num(c.get(f'{system}_gpu_power_w_run'))}"
+            for system in ("exlq-engine", "exlq")
+        ]
+        reasons = ", ".join(s.get("gpu_clock_reasons", [])) or "-"
+        lines.append(f"| {s['concurrency']} | {cells[0]} | {cells[1]} | {reasons} |")
+    return lines
 
 
 def _num(value: float | None, digits: int = 0) -> str:

@@ -31,6 +31,9 @@ from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from bench.gpu_clocks import IDLE_WINDOW_S, ClockRecorder, run_figures
+from bench.gpu_clocks import timeline as timeline_of
+
 if TYPE_CHECKING:
     from bench.placement import Placement
 
@@ -721,8 +724,10 @@ class TracedSystems:
         engine: Any,
         path: Any,
         engine_class: EngineClassAlone | None,
+        clocks: ClockRecorder,
     ) -> None:
         self.args, self.place, self.bench_trace = args, place, bench_trace
+        self.clocks = clocks
         self.engine, self.path, self.engine_class = engine, path, engine_class
         self.trace_dir = trace_dir
 
@@ -742,12 +747,13 @@ class TracedSystems:
         with on_cpus(self.place.server):
             row = self.engine.run(prompts, warm_up, self.args.max_new_tokens)
         t0, times, steps, _ = self.bench_trace.take()
-        return {
+        shown = [[_ms(a, t0), _ms(b, t0)] for a, b in steps[: self.args.steps_shown]]
+        return self._clocks(t0, shown) | {
             "system": "exlq-engine",
             "ttft_ms_p50": row["ttft_ms_p50"],
             "build_ms": row["build_ms"],
             "bench_gc": self.bench_trace.gc_ms(t0),
-            "steps": [[_ms(a, t0), _ms(b, t0)] for a, b in steps[: self.args.steps_shown]],
+            "steps": shown,
             "first_token_by_group": group_medians(
                 [tt[0] for tt in times], t0, self._group(len(prompts))
             ),
@@ -761,14 +767,27 @@ class TracedSystems:
         t0, times, _, sdk_first = self.bench_trace.take()
         records = read_worker_trace(self.trace_dir, t0, t0 + row["wall_s"])
         group = self._group(len(prompts))
-        return {
+        timeline = exlq_timeline(records, t0, self.args.steps_shown)
+        return self._clocks(t0, timeline["steps"]) | {
             "system": "exlq",
             "ttft_ms_p50": row["ttft_ms_p50"],
             "first_token_by_group": group_medians([tt[0] for tt in times], t0, group),
             "sdk_first_event_by_group": group_medians(sdk_first, t0, group),
             "bench_gc": self.bench_trace.gc_ms(t0),
             "sdk_sends": [[_ms(a, t0), _ms(b, t0), k] for a, b, k in self.bench_trace.last_sends],
-            **exlq_timeline(records, t0, self.args.steps_shown),
+            **timeline,
+        }
+
+    def _clocks(self, t0: float, steps: list[list[float]]) -> Record:
+        """The GPU's clocks (bench.gpu_clocks) from the idle before the burst to the end of
+        its shown steps: [ms after t0, SM MHz, memory MHz, W, NVML reasons] each sample."""
+        end = t0 + (steps[-1][1] if steps else 0.0) / 1000
+        samples = self.clocks.since(t0 - 1.0)
+        if not samples:
+            return {}
+        first_ms = steps[0][1] if steps else 0.0
+        return run_figures(samples, t0, first_ms, end) | {
+            "gpu_clocks": timeline_of(samples, t0, t0 - IDLE_WINDOW_S, end)
         }
 
     def run_class(self, prompts: list[list[int]], warm_up: list[list[int]]) -> Record:
@@ -797,20 +816,23 @@ def measure(args: argparse.Namespace, model: Path, shape: str) -> list[Record]:
     runs: list[Record] = []
     engine, engine_class = _load_in_process(args, model, max(concurrencies), place.server)
     try:
-        with ExlqPath(
-            model,
-            max_batch_size=max(concurrencies),
-            attention="exlq",
-            worker_cpus=place.server,
-            redis_cpus=place.load,
-            worker_module="bench.path_trace",
-            worker_env={TRACE_ENV: str(trace_dir)},
-            worker_switches=worker_options(args),
-            pack_ids=args.pack_ids,
-            **engine_options(args),
-        ) as path:
+        with (
+            ClockRecorder(cpus=place.load) as clocks,
+            ExlqPath(
+                model,
+                max_batch_size=max(concurrencies),
+                attention="exlq",
+                worker_cpus=place.server,
+                redis_cpus=place.load,
+                worker_module="bench.path_trace",
+                worker_env={TRACE_ENV: str(trace_dir)},
+                worker_switches=worker_options(args),
+                pack_ids=args.pack_ids,
+                **engine_options(args),
+            ) as path,
+        ):
             systems = TracedSystems(
-                args, place, trace_dir, bench_trace, engine, path, engine_class
+                args, place, trace_dir, bench_trace, engine, path, engine_class, clocks
             ).all()
             for n in concurrencies:
                 for repeat in range(args.repeats):

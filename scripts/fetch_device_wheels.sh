@@ -50,6 +50,8 @@ WHEELS=(
     "cramjam==2.14.0"              # fastparquet; the image has pandas, fsspec, numpy
     # profiling: python -m bench.engine_layers --py-spy DIR
     "py-spy==0.4.1"
+    # the GPU's clocks around each bench run (bench/gpu_clocks.py)
+    "nvidia-ml-py==13.615.71"
 )
 
 PLATFORMS=(
