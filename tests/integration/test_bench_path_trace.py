@@ -11,6 +11,7 @@ import pytest
 from bench import path_trace
 from bench.baselines import random_prompt_ids
 from bench.exlq_path import ExlqPath
+from bench.gpu_clocks import ClockRecorder
 from bench.placement import Placement
 from producer.submit_batch import SubmitBatcher
 from producer.subscriber import EventRouter
@@ -29,6 +30,7 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
     originals = (EventRouter._push, SubmitBatcher._send)
     with (
         path_trace.BenchTrace() as bench_trace,
+        ClockRecorder() as clocks,
         ExlqPath(
             model,
             max_batch_size=64,
@@ -55,11 +57,14 @@ def test_a_traced_run_gives_each_stage_of_the_path_in_order(
             engine=None,
             path=path,
             engine_class=None,
+            clocks=clocks,
         )
         record = systems.run_exlq(
             random_prompt_ids(model, jobs, 16, seed=3), random_prompt_ids(model, jobs, 16, seed=4)
         )
     assert (EventRouter._push, SubmitBatcher._send) == originals
+    # The GPU's clocks beside the steps where NVML answers (none in CI: no driver).
+    assert ("gpu_clocks" in record) == (clocks.unavailable is None)
     assert row["completion_tokens"] == 4 * jobs
     # Both of the worker's processes wrote their records.
     assert len(list(trace_dir.glob("*.jsonl"))) == 2
