@@ -28,6 +28,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
@@ -37,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
 from producer.backoff import reconnect_delay_s
+from producer.buffered_replies import NOTHING, buffered_replies, parser_kwargs
 from producer.command_packing import packed_in_c
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class _Sent:
     refused: ResponseError | None = None  # the SUBSCRIBE's own error
 
 
-def _is_push(response: object) -> bool:
+def _is_push(response: object) -> TypeGuard[list[bytes]]:
     """Pushes are 3-item lists led by their kind; no command sent here replies with one."""
     return isinstance(response, list) and len(response) == 3 and response[0] in _PUSH_KINDS
 
@@ -92,9 +94,15 @@ class EventRouter:
         self._check_key = check_key
         pool = client.connection_pool
         # The client's own settings (address, TLS, credentials), speaking RESP3, with
-        # replies as bytes whatever the client decodes; its writes packed in C.
+        # replies as bytes whatever the client decodes; its writes packed in C, and what
+        # it has read taken whole after each read (buffered_replies).
         self._conn: AbstractConnection = packed_in_c(pool.connection_class)(
-            **{**pool.connection_kwargs, "protocol": 3, "decode_responses": False}
+            **{
+                **pool.connection_kwargs,
+                "protocol": 3,
+                "decode_responses": False,
+                **parser_kwargs(),
+            }
         )
         self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}
         self._sent: deque[_Sent] = deque()
@@ -251,6 +259,8 @@ class EventRouter:
     # -- reading -------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        """One read, then every reply that read brought, taken from the parser's buffer
+        (a burst's events arrive together), before the next read."""
         conn = self._conn
         while True:
             try:
@@ -258,19 +268,29 @@ class EventRouter:
                     timeout=math.inf, disconnect_on_error=False, push_request=True
                 )
             except ResponseError as exc:
-                self._reply(exc)
-                continue
+                response = exc
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 await self._reconnect(exc)
                 continue
             try:
-                if _is_push(response):
-                    self._push(response)
-                elif response is not None:  # None: a push redis-py handled (maintenance)
-                    self._reply(response)
+                self._take(response)
+                buffered = buffered_replies(conn)
+                while buffered is not None:
+                    response = await buffered.next_buffered()
+                    if response is NOTHING:
+                        break
+                    self._take(response)
+            except (RedisConnectionError, OSError) as exc:
+                await self._reconnect(exc)
             except Exception as exc:  # what arrived makes no sense here: start afresh
                 log.exception("unexpected answer on the event connection: %r", response)
                 await self._reconnect(exc)
+
+    def _take(self, response: object) -> None:
+        if _is_push(response):
+            self._push(response)
+        elif response is not None:  # None: a push redis-py handled (maintenance)
+            self._reply(response)
 
     def _push(self, push: list[bytes]) -> None:
         kind, raw_channel, data = push
