@@ -34,6 +34,7 @@ from typing import Any
 # perf_counter (s), SM clock (MHz), memory clock (MHz), power (mW), clock event reasons.
 RECORD = struct.Struct("<dIIIQ")
 INTERVAL_MS = 1.0
+IDLE_WINDOW_S = 0.09  # the bench idles IDLE_BEFORE_RUN_S (0.1 s) before each burst
 # NVML's clock event reasons (nvmlClocksEventReason*), by bit.
 REASONS = {
     0x1: "gpu_idle",
@@ -110,9 +111,6 @@ def run_figures(
     }
 
 
-IDLE_WINDOW_S = 0.09  # the bench idles IDLE_BEFORE_RUN_S (0.1 s) before each burst
-
-
 def timeline(samples: Sequence[Sample], t0: float, start: float, end: float) -> list[list[float]]:
     """The samples between `start` and `end` as [ms after t0, SM MHz, memory MHz, W, reasons]."""
     return [
@@ -138,9 +136,10 @@ class ClockRecorder:
         self.path.touch()
         cmd = [sys.executable, "-m", "bench.gpu_clocks", "--sample", str(self.path)]
         cmd += ["--interval-ms", str(self.interval_ms)]
-        self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=self._place
-        )
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if self.cpus:  # placed from here: a preexec_fn is unsafe in a process with threads
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(self._proc.pid, self.cpus)
         deadline = time.monotonic() + 20
         while self.path.stat().st_size < RECORD.size:
             if self._proc.poll() is not None:
@@ -152,10 +151,6 @@ class ClockRecorder:
                 break
             time.sleep(0.01)
         return self
-
-    def _place(self) -> None:
-        if self.cpus:
-            os.sched_setaffinity(0, self.cpus)
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None and self._proc.poll() is None:
