@@ -164,6 +164,10 @@ class ClockRecorder:
             self._proc.stderr.close()
         self._dir.cleanup()
 
+    def around(self, t0: float) -> list[Sample]:
+        """The samples from the second before a burst that began at `t0` on."""
+        return self.since(t0 - 1.0)
+
     def since(self, start: float) -> list[Sample]:
         """The samples from perf_counter time `start` on (older ones are dropped)."""
         if self.unavailable is None:

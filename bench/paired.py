@@ -169,10 +169,8 @@ def _clock_figures(clocks: ClockRecorder, row: dict[str, Any]) -> dict[str, Any]
     """The GPU's clocks in the idle before a run, up to its median first token (its first
     step) and over the run (bench.gpu_clocks); nothing where NVML cannot be read."""
     t0 = row["started_at"]
-    samples = clocks.since(t0 - 1.0)
-    if not samples:
-        return {}
-    return run_figures(samples, t0, row["ttft_ms_p50"], t0 + row["wall_s"])
+    samples = clocks.around(t0)
+    return run_figures(samples, t0, row["ttft_ms_p50"], t0 + row["wall_s"]) if samples else {}
 
 
 def _stepper_note(cpu: int | None) -> str:

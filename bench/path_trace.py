@@ -782,7 +782,7 @@ class TracedSystems:
         """The GPU's clocks (bench.gpu_clocks) from the idle before the burst to the end of
         its shown steps: [ms after t0, SM MHz, memory MHz, W, NVML reasons] each sample."""
         end = t0 + (steps[-1][1] if steps else 0.0) / 1000
-        samples = self.clocks.since(t0 - 1.0)
+        samples = self.clocks.around(t0)
         if not samples:
             return {}
         first_ms = steps[0][1] if steps else 0.0

@@ -104,6 +104,7 @@ class EventRouter:
                 **parser_kwargs(),
             }
         )
+        self._buffered = buffered_replies(self._conn)  # its parser, kept across reconnects
         self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}
         self._sent: deque[_Sent] = deque()
         self._send_lock = asyncio.Lock()
@@ -274,9 +275,8 @@ class EventRouter:
                 continue
             try:
                 self._take(response)
-                buffered = buffered_replies(conn)
-                while buffered is not None:
-                    response = await buffered.next_buffered()
+                while self._buffered is not None:
+                    response = await self._buffered.next_buffered()
                     if response is NOTHING:
                         break
                     self._take(response)

@@ -17,7 +17,6 @@ from bench.gpu_clocks import (
     run_figures,
     timeline,
 )
-from bench.paired import markdown, summarize
 
 IDLE_BIT, POWER_CAP_BIT = 0x1, 0x4
 
@@ -97,44 +96,3 @@ def test_the_recorder_samples_or_says_why_it_cannot() -> None:
             assert "NVML" in clocks.unavailable or "pynvml" in clocks.unavailable
             assert samples == []
     assert not clocks.path.exists()  # its file is gone with it
-
-
-def _paired_run(system: str, repeat: int, sm_first: int, reasons: list[str]) -> dict[str, object]:
-    return {
-        "system": system,
-        "concurrency": 32,
-        "repeat": repeat,
-        "output_tokens_per_s": 1000.0,
-        "ttft_ms_p50": 50.0,
-        "step_ms_mean": 3.0,
-        "gpu_sm_mhz_idle": 345,
-        "gpu_sm_mhz_first": sm_first,
-        "gpu_sm_mhz_run": 1980,
-        "gpu_power_w_run": 400.0,
-        "gpu_clock_reasons": reasons,
-    }
-
-
-def test_the_paired_table_gives_each_systems_clocks_and_every_reason_seen() -> None:
-    runs = [
-        _paired_run("exlq-engine", 0, 1500, []),
-        _paired_run("exlq", 0, 1300, ["sw_power_cap"]),
-        _paired_run("exlq-engine", 1, 1700, []),
-        _paired_run("exlq", 1, 1900, []),
-    ]
-    [row] = summarize(runs)
-    assert row["gpu_clocks"]["exlq-engine_gpu_sm_mhz_first"] == 1600
-    assert row["gpu_clocks"]["exlq_gpu_sm_mhz_first"] == 1600
-    assert row["gpu_clock_reasons"] == ["sw_power_cap"]
-    meta = {
-        "gpu": "GPU",
-        "date": "2026-11-27",
-        "shape": "1b",
-        "prompt_tokens": 256,
-        "max_new_tokens": 128,
-        "cache_tokens": 65536,
-        "cpus": "all",
-        "command": "python -m bench.paired",
-    }
-    table = markdown([row], meta)
-    assert "| 32 | 345 / 1,600 / 1,980 | 400 | 345 / 1,600 / 1,980 | 400 | sw_power_cap |" in table

@@ -182,3 +182,28 @@ def test_the_worker_switches_the_bench_passes_are_flags_the_worker_takes() -> No
         assert len(flags) == len(WORKER_SWITCHES) + 1  # and --gpu-embedding
         for flag in flags:
             assert flag in worker_help, flag
+
+
+def _clocked_run(system: str, repeat: int, sm_first: int, reasons: list[str]) -> dict[str, Any]:
+    return _run(system, 32, repeat, 1000.0, 50.0, step_ms=3.0) | {
+        "gpu_sm_mhz_idle": 345,
+        "gpu_sm_mhz_first": sm_first,
+        "gpu_sm_mhz_run": 1980,
+        "gpu_power_w_run": 400.0,
+        "gpu_clock_reasons": reasons,
+    }
+
+
+def test_the_paired_table_gives_each_systems_clocks_and_every_reason_seen() -> None:
+    runs = [
+        _clocked_run("exlq-engine", 0, 1500, []),
+        _clocked_run("exlq", 0, 1300, ["sw_power_cap"]),
+        _clocked_run("exlq-engine", 1, 1700, []),
+        _clocked_run("exlq", 1, 1900, []),
+    ]
+    [row] = summarize(runs)
+    assert row["gpu_clocks"]["exlq-engine_gpu_sm_mhz_first"] == 1600
+    assert row["gpu_clocks"]["exlq_gpu_sm_mhz_first"] == 1600
+    assert row["gpu_clock_reasons"] == ["sw_power_cap"]
+    table = markdown([row], META)
+    assert "| 32 | 345 / 1,600 / 1,980 | 400 | 345 / 1,600 / 1,980 | 400 | sw_power_cap |" in table
