@@ -14,7 +14,9 @@ tests/gpu/test_gpu_sampling.py checks the hook points and that greedy output doe
 change.
 
 With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
-exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job.
+exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job. In that loop a
+prefill's search for a partially matching page walks only the pages that could match
+(exllamav2_page_search.py), where exllamav2 walks every page of the cache for every job.
 
 A decode step runs its wait_work (Engine.set_wait_work), if set, once its forward pass and
 sampling are queued on the GPU and before it waits for the sampled tokens: the engine loop
@@ -33,6 +35,7 @@ generator before the GPU runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -45,6 +48,7 @@ from exllamav2.generator import ExLlamaV2DynamicGenerator
 from worker.engines.exllamav2_attention import on_pinned_exllamav2, padding_supported
 from worker.engines.exllamav2_job_buffers import install_on_demand_buffers
 from worker.engines.exllamav2_job_rng import install_job_rng
+from worker.engines.exllamav2_page_search import narrowed_page_search
 from worker.engines.exllamav2_prefill import PrefillBatcher
 from worker.engines.prefill_plan import jobs_to_start
 from worker.kernels.paged_attention import TILE_CLASS_ROWS
@@ -167,6 +171,9 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             # it directly.
             shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
             self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
+        # The prefill loop's search for a partially matching page looks only at pages that
+        # could match (exllamav2_page_search.py); False searches every page, as exllamav2 does.
+        self.narrow_page_search = True
         self.prefill_batcher: PrefillBatcher | None = None
         if prefill_batch_tokens > 0 and self.paged:
             config = self.model.config
@@ -248,11 +255,16 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         results: list[Any] = []
         with torch.inference_mode():
             self.iterate_start_jobs(results)
-            with batcher.deferring():
+            with batcher.deferring(), self._page_search():
                 for job in self.active_jobs:
                     job.prefill(results)
             self.iterate_gen(results)
         return results
+
+    def _page_search(self) -> contextlib.AbstractContextManager[None]:
+        if self.narrow_page_search:
+            return narrowed_page_search(self)
+        return contextlib.nullcontext()
 
     def iterate_gen(self, results: list[Any], draft_tokens: Any = None) -> None:
         if draft_tokens is not None or not self.gpu_sampling:
