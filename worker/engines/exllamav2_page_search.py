@@ -27,7 +27,7 @@ taken, nor kept another page from being taken.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,9 +36,10 @@ import torch
 MIN_TAKEN_MATCH = 2  # prefill() copies a partial match only when best_match > 1
 
 
-class PageSearch(Sequence[Any]):
-    """generator.all_pages as a prefill loop's page search sees it (module docstring). The
-    candidates are found at the first search of the loop, once for all its jobs."""
+class PageSearch:
+    """generator.all_pages as a prefill loop's page search sees it (module docstring): its
+    iteration narrowed, its length, items and membership all_pages'. The candidates are
+    found at the first search of the loop, once for all its jobs."""
 
     def __init__(self, pages: list[Any], jobs: list[Any], page_size: int) -> None:
         self.pages = pages
@@ -56,6 +57,9 @@ class PageSearch(Sequence[Any]):
 
     def __getitem__(self, index: Any) -> Any:
         return self.pages[index]
+
+    def __contains__(self, page: object) -> bool:
+        return page in self.pages
 
     def _find_candidates(self) -> list[Any]:
         held: set[int] = set()  # id() of the pages of the jobs whose prefill runs in the loop
