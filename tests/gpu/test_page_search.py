@@ -1,11 +1,12 @@
 """The prefill's search for a partially matching page, narrowed (exllamav2_page_search.py),
-takes what exllamav2's search of every page takes."""
+takes what exllamav2's search of every page takes, in exlq's generator; and the search it
+narrows is still exllamav2's. tests/unit/test_page_search.py checks the narrowing itself
+on random caches."""
 
 from __future__ import annotations
 
 import inspect
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -15,127 +16,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
-
-PAGE = 4  # tokens a page in the model of the search below
-
-
-@dataclass(eq=False)
-class _Page:
-    index: int
-    sequence: Any  # (1, PAGE) token ids
-    kv_position: int
-    prev_hash: bytes | None
-    phash: bytes
-
-
-@dataclass(eq=False)
-class _Ids:
-    ids: Any  # (1, n)
-
-    def torch(self) -> Any:
-        return self.ids
-
-
-@dataclass(eq=False)
-class _Seq:
-    sequence_ids: _Ids
-    allocated_pages: list[_Page]
-    prefill_complete: bool = False
-
-
-@dataclass(eq=False)
-class _Job:
-    sequences: list[_Seq] = field(default_factory=list)
-
-
-def _best_match(pages: Any, own: _Page, prev_hash: bytes | None, ids: Any) -> tuple[Any, int]:
-    """exllamav2 0.3.2's search in ExLlamaV2DynamicJob.prefill, ext_c.count_match in Python."""
-    best, best_page = 0, None
-    for page in pages:
-        if page.prev_hash != prev_hash or page is own:
-            continue
-        limit = min(page.kv_position, ids.shape[1])
-        match = 0
-        while match < limit and int(page.sequence[0, match]) == int(ids[0, match]):
-            match += 1
-        if match > best:
-            best, best_page = match, page
-    return (best_page, best) if best_page is not None and best > 1 else (None, 0)
-
-
-def _loop(pages: list[_Page], jobs: list[_Job], narrowed: bool, rng: random.Random) -> list[Any]:
-    """Each job's chunk searched, then its pages written as prefill() writes them (so a later
-    job of the loop may match them); what each search took."""
-    from worker.engines.exllamav2_page_search import PageSearch
-
-    searched: Any = PageSearch(pages, jobs, PAGE) if narrowed else pages
-    taken = []
-    for job in jobs:
-        for seq in job.sequences:
-            if seq.prefill_complete:
-                continue
-            ids = seq.sequence_ids.torch()
-            p0 = rng.randrange(len(seq.allocated_pages))
-            prev = None if p0 == 0 else seq.allocated_pages[p0 - 1].phash
-            chunk = ids[:, p0 * PAGE :]
-            page, match = _best_match(searched, seq.allocated_pages[p0], prev, chunk)
-            taken.append((None if page is None else page.index, match))
-            for i, own in enumerate(seq.allocated_pages):
-                own.sequence[0, :] = ids[0, i * PAGE : (i + 1) * PAGE]
-                own.kv_position = rng.choice([1, 2, PAGE])
-                own.prev_hash = None if i == 0 else seq.allocated_pages[i - 1].phash
-    return taken
-
-
-def _random_cache(seed: int) -> tuple[list[_Page], list[_Job]]:
-    """Pages and prompts cut from a few token sequences, each with a token changed here and
-    there, so that prefixes of every length match; prev_hashes that chain pages to each
-    other and to the jobs' own pages; some pages empty or holding one key; jobs of one or
-    two sequences, some with their prefill complete."""
-    import torch
-
-    rng = random.Random(seed)
-    bases = [[rng.randrange(50) for _ in range(3 * PAGE)] for _ in range(4)]
-
-    def cut(pages: int) -> list[int]:
-        base = rng.choice(bases)
-        at = rng.randrange(4 - pages) * PAGE
-        tokens = base[at : at + pages * PAGE]
-        if rng.random() < 0.7:
-            tokens[rng.randrange(len(tokens))] = rng.randrange(50)
-        return tokens
-
-    count = 40
-    pages = [
-        _Page(
-            i,
-            torch.tensor([cut(1)]),
-            rng.choice([0, 1, 2, 3, PAGE]),
-            rng.choice([None, None, bytes([100 + rng.randrange(count)])]),
-            bytes([100 + i]),
-        )
-        for i in range(count)
-    ]
-    free = list(range(count))
-    rng.shuffle(free)
-    jobs = []
-    for _ in range(6):
-        job = _Job()
-        for _ in range(rng.choice([1, 1, 2])):
-            n = rng.randint(1, 3)
-            owned = [pages[free.pop()] for _ in range(n)]
-            ids = torch.tensor([cut(n)])
-            job.sequences.append(_Seq(_Ids(ids), owned, prefill_complete=rng.random() < 0.2))
-        jobs.append(job)
-    return pages, jobs
-
-
-@pytest.mark.parametrize("seed", range(200))
-def test_the_narrowed_search_takes_what_the_full_search_takes(seed: int) -> None:
-    pytest.importorskip("torch")
-    full = _loop(*_random_cache(seed), narrowed=False, rng=random.Random(seed))
-    narrowed = _loop(*_random_cache(seed), narrowed=True, rng=random.Random(seed))
-    assert narrowed == full
 
 
 def _run_jobs(generator: Any, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:

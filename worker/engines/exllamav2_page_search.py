@@ -31,8 +31,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 MIN_TAKEN_MATCH = 2  # prefill() copies a partial match only when best_match > 1
 
 
@@ -71,7 +69,7 @@ class PageSearch:
                     continue
                 held.update(id(page) for page in seq.allocated_pages)
                 hashes.update(page.phash for page in seq.allocated_pages)
-                starts.update(seq.sequence_ids.torch()[0, :: self.page_size].tolist())
+                starts.update(boundary_tokens(seq, self.page_size))
         others = [
             page
             for page in self.pages
@@ -81,13 +79,26 @@ class PageSearch:
         ]
         keep = set(held)
         if others:
-            # A page's tokens are a (1, page_size) tensor on the CPU: one copy reads the first
-            # token of each.
-            firsts = torch.cat([page.sequence for page in others])[:, 0].tolist()
+            firsts = first_tokens(others)
             keep.update(
                 id(page) for page, first in zip(others, firsts, strict=True) if first in starts
             )
         return [page for page in self.pages if id(page) in keep]
+
+
+def boundary_tokens(seq: Any, page_size: int) -> list[int]:
+    """A sequence's prompt tokens on page boundaries (its ids: a SeqTensor of (1, n))."""
+    tokens: list[int] = seq.sequence_ids.torch()[0, ::page_size].tolist()
+    return tokens
+
+
+def first_tokens(pages: list[Any]) -> list[int]:
+    """Each page's first token. A page's tokens are a (1, page_size) tensor on the CPU: one
+    copy reads them all."""
+    import torch
+
+    tokens: list[int] = torch.cat([page.sequence for page in pages])[:, 0].tolist()
+    return tokens
 
 
 @contextmanager
