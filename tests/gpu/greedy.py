@@ -1,6 +1,7 @@
-"""Helpers the GPU tests share: a batch of greedy jobs run to the end, two such runs
-compared, the same jobs run eagerly and from decode graphs, and seeded jobs of given
-sampling settings run to the end."""
+"""Helpers the GPU tests share: a batch of greedy jobs run to the end (with its jobs, for
+what they record, or as its tokens and logits), two such runs compared, the same jobs run
+eagerly and from decode graphs, and seeded jobs of given sampling settings run to the
+end."""
 
 from __future__ import annotations
 
@@ -14,19 +15,32 @@ def greedy_tokens_and_logits(
     """Each job's greedy tokens and their logits (float, on the CPU), all jobs batched
     together; job i runs prompts[i] for new_tokens[i] tokens, no stop conditions."""
     import torch
+
+    _, tokens, logits = run_greedy(generator, prompts, new_tokens)
+    return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
+
+
+def run_greedy(
+    generator: Any, prompts: list[Any], new_tokens: list[int]
+) -> tuple[list[Any], dict[int, list[int]], dict[int, list[Any]]]:
+    """Greedy jobs batched together, job i on prompts[i] for new_tokens[i] tokens, no stop
+    conditions, run to the end: the jobs, each one's tokens, and the logits of each of its
+    steps (float, on the CPU)."""
     from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-    for i, (ids, new) in enumerate(zip(prompts, new_tokens, strict=True)):
-        generator.enqueue(
-            ExLlamaV2DynamicJob(
-                input_ids=ids,
-                max_new_tokens=new,
-                stop_conditions=[],
-                gen_settings=ExLlamaV2Sampler.Settings.greedy(),
-                return_logits=True,
-                identifier=i,
-            )
+    jobs = [
+        ExLlamaV2DynamicJob(
+            input_ids=ids,
+            max_new_tokens=new,
+            stop_conditions=[],
+            gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+            return_logits=True,
+            identifier=i,
         )
+        for i, (ids, new) in enumerate(zip(prompts, new_tokens, strict=True))
+    ]
+    for job in jobs:
+        generator.enqueue(job)
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     logits: dict[int, list[Any]] = {i: [] for i in range(len(prompts))}
     while generator.num_remaining_jobs():
@@ -34,7 +48,7 @@ def greedy_tokens_and_logits(
             if result.get("stage") == "streaming" and "token_ids" in result:
                 tokens[result["identifier"]] += result["token_ids"].flatten().tolist()
                 logits[result["identifier"]].append(result["logits"][0].float().cpu())
-    return {i: (tokens[i], torch.cat(logits[i])) for i in tokens}
+    return jobs, tokens, logits
 
 
 def assert_same_greedy(

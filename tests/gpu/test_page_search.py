@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.greedy import run_greedy
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -22,25 +24,10 @@ def _run_jobs(generator: Any, prompts: list[list[int]]) -> list[tuple[int, list[
     """The prompts as one burst, greedy, 6 new tokens each: each job's cached prompt tokens
     and its new tokens."""
     import torch
-    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-    jobs = [
-        ExLlamaV2DynamicJob(
-            input_ids=torch.tensor([ids]),
-            max_new_tokens=6,
-            stop_conditions=[],
-            gen_settings=ExLlamaV2Sampler.Settings.greedy(),
-            identifier=i,
-        )
-        for i, ids in enumerate(prompts)
-    ]
-    generator.enqueue(jobs)
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            new = result.get("token_ids") if result.get("stage") == "streaming" else None
-            if new is not None:
-                tokens[result["identifier"]] += new[0].tolist()
+    jobs, tokens, _ = run_greedy(
+        generator, [torch.tensor([ids]) for ids in prompts], [6] * len(prompts)
+    )
     return [(job.cached_tokens, tokens[i]) for i, job in enumerate(jobs)]
 
 
