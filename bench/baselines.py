@@ -168,7 +168,10 @@ def _summarize(
     completion_tokens: int,
     per_token_times: bool = True,
 ) -> dict[str, Any]:
-    """Common figures. token_times[j] = arrival times (perf_counter) of job j's tokens or chunks."""
+    """Common figures. token_times[j] = arrival times (perf_counter) of job j's tokens or chunks.
+
+    ``ttft_ms_jobs`` keeps each job's first arrival, in the jobs' order (None for a job that
+    got nothing): two systems' runs on the same prompts compare job by job (bench.paired)."""
     ttft = [tt[0] - t0 for tt in token_times if tt]
     itl = (
         [b - a for tt in token_times for a, b in itertools.pairwise(tt)] if per_token_times else []
@@ -191,6 +194,7 @@ def _summarize(
         "output_tokens_per_s": completion_tokens / wall if wall > 0 else None,
         "ttft_ms_p50": t50,
         "ttft_ms_p99": t99,
+        "ttft_ms_jobs": [round((tt[0] - t0) * 1000.0, 3) if tt else None for tt in token_times],
         "itl_ms_p50": i50,
         "itl_ms_p99": i99,
     }

@@ -204,6 +204,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for p in whole
         ]
         added = [p["exlq"]["ttft_ms_p50"] - p["exlq-engine"]["ttft_ms_p50"] for p in whole]
+        added_by_job = [a for a in map(_added_by_job, whole) if a is not None]
         # The engine step's own cost in the worker, apart from the path's fixed latency.
         step_ratios = [
             p["exlq"]["step_ms_mean"] / p["exlq-engine"]["step_ms_mean"]
@@ -228,6 +229,14 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ),
                 "added_ttft_ms_median": statistics.median(added),
                 "added_ttft_ms": added,
+                # Job by job: a pair's median of each job's TTFT in exlq less the same job's in
+                # the engine alone. The p50s' difference moves by half a prefill slice when one
+                # job's first token is held back (partial UTF-8) in one system and not the
+                # other; this does not. None for files from before per-job times.
+                "added_ttft_by_job_ms": added_by_job,
+                "added_ttft_by_job_ms_median": (
+                    statistics.median(added_by_job) if added_by_job else None
+                ),
                 "step_ratio_median": statistics.median(step_ratios) if step_ratios else None,
                 # Inside the engine's TTFT since its clock starts before it builds its jobs
                 # (baselines.run_dynamic); older results started it after.
@@ -258,6 +267,16 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _added_by_job(pair: dict[str, dict[str, Any]]) -> float | None:
+    """The median over a pair's jobs of exlq's TTFT less the engine alone's for the same
+    job (both runs take the same prompts in the same order); None without per-job times."""
+    exlq, engine = pair["exlq"].get("ttft_ms_jobs"), pair["exlq-engine"].get("ttft_ms_jobs")
+    if not exlq or not engine or len(exlq) != len(engine):
+        return None
+    added = [b - e for b, e in zip(exlq, engine, strict=True) if b is not None and e is not None]
+    return statistics.median(added) if added else None
 
 
 # Pairs whose two runs' CPU probes agree within this factor count as matched.
@@ -319,13 +338,16 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"GPU: {meta['gpu']}; {meta['date']}; {meta['shape']} shape; prompt "
         f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens, EOS ignored, "
         f"greedy; cache {meta['cache_tokens']} tokens; CPUs: {meta['cpus']}. Each pair runs "
-        "the engine alone and exlq back to back on the same new prompts, in alternating order.",
+        "the engine alone and exlq back to back on the same new prompts, in alternating order. "
+        "Added TTFT job by job: each pair's median over its jobs of the job's TTFT in exlq "
+        "less the same job's in the engine alone.",
         f"Command: `{meta['command']}`",
         "",
         "| N | pairs | engine alone tok/s | exlq tok/s | exlq / engine, paired median "
         "(range) | pairs >= 0.97 | engine TTFT p50 ms | of which building its jobs, ms | "
-        "added TTFT p50 ms, median | exlq / engine step time, paired median |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "added TTFT p50 ms, median | added TTFT job by job ms, median | exlq / engine step "
+        "time, paired median |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
@@ -333,7 +355,7 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{s['exlq_tok_s']:,.0f} | {s['ratio_median']:.3f} ({s['ratio_min']:.2f}-"
             f"{s['ratio_max']:.2f}) | {s['pairs_at_or_above_0_97']} of {s['pairs']} | "
             f"{s['engine_ttft_ms_p50']:.1f} | {s['engine_build_ms_median']:.1f} | "
-            f"{s['added_ttft_ms_median']:.1f} | "
+            f"{s['added_ttft_ms_median']:.1f} | {_num(s.get('added_ttft_by_job_ms_median'), 1)} | "
             + (f"{s['step_ratio_median']:.3f} |" if s["step_ratio_median"] else "- |")
         )
     if any(s.get("ratio_at_equal_speed") is not None for s in summary):

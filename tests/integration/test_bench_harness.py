@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import thread_clock
-from bench.baselines import random_prompt_ids
+from bench.baselines import percentiles, random_prompt_ids
 from bench.exlq_path import ExlqPath
 
 pytestmark = pytest.mark.integration
@@ -42,6 +42,10 @@ def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
         assert row["completion_tokens"] == 12 * n
         assert row["output_tokens_per_s"] > 0
         assert 0 < row["ttft_ms_p50"] < row["wall_s"] * 1000
+        # Each job's first event, in the prompts' order, for bench.paired's job-by-job figure.
+        jobs = row["ttft_ms_jobs"]
+        assert len(jobs) == n and all(t is not None and 0 < t < row["wall_s"] * 1000 for t in jobs)
+        assert percentiles(jobs, [50]) == [pytest.approx(row["ttft_ms_p50"], abs=1e-3)]
         # The parts of the TTFT that the SDK and the worker's done events report.
         assert row["submit_ms_p50"] > 0 and row["queued_ms_p50"] >= 0
         # The worker's step metric moved: the run was read from /metrics.

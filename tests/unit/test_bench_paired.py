@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bench.baselines import percentiles
 from bench.paired import _stepper_probes, markdown, pool, summarize
 
 META = {
@@ -66,8 +67,51 @@ def test_ratios_are_taken_within_pairs_not_between_medians() -> None:
     assert eight["engine_build_ms_median"] == 2.0  # inside the engine's TTFT
     assert eight["step_ratio_median"] == pytest.approx(1.05)  # 1.10, 1.05 and 1.00
     table = markdown([eight], META)
-    assert "| 8 | 3 | 800 | 800 | 0.990 (0.96-1.00) | 2 of 3 | 21.0 | 2.0 | 3.0 | 1.050 |" in table
+    # Runs without per-job times (files from before them): no job-by-job figure.
+    assert eight["added_ttft_by_job_ms"] == [] and eight["added_ttft_by_job_ms_median"] is None
+    row = "| 8 | 3 | 800 | 800 | 0.990 (0.96-1.00) | 2 of 3 | 21.0 | 2.0 | 3.0 | - | 1.050 |"
+    assert row in table
     assert "stepping thread" not in table  # runs without thread figures: no such table
+
+
+def _slices(first: float, second: float, held: int | None = None) -> list[float]:
+    """First-token times of a 64-job burst started in two slices of 32; job ``held`` got
+    its first token (held back, partial UTF-8) with the second slice's."""
+    times = [first + j * 0.1 for j in range(32)] + [second + j * 0.1 for j in range(32)]
+    if held is not None:
+        times[held] = second + 5.0
+    return times
+
+
+def test_added_ttft_job_by_job_does_not_jump_with_a_held_back_first_token() -> None:
+    # Pair 0: exlq adds 3 ms to every job, and one of its first slice's jobs is held back
+    # (a greedy tie went the other way there): its p50 jumps by half a slice.
+    # Pair 1: the same job is held back in both runs, exlq 2 ms later for every job.
+    # Pair 2: no job held back; exlq 4 ms later, and one job got nothing at all.
+    engine: list[list[float | None]] = [
+        [*_slices(200.0, 320.0)],
+        [*_slices(200.0, 320.0, held=5)],
+        [*_slices(210.0, 330.0)],
+    ]
+    exlq: list[list[float | None]] = [
+        [*_slices(203.0, 323.0, held=7)],
+        [*_slices(202.0, 322.0, held=5)],
+        [t + 4.0 for t in _slices(210.0, 330.0)],
+    ]
+    exlq[2][40] = None
+    runs = []
+    for repeat, (e, b) in enumerate(zip(engine, exlq, strict=True)):
+        for system, times in (("exlq-engine", e), ("exlq", b)):
+            [p50] = percentiles([t for t in times if t is not None], [50])
+            assert p50 is not None
+            run = _run(system, 64, repeat, 1000.0, p50)
+            run["ttft_ms_jobs"] = times
+            runs.append(run)
+    [row] = summarize(runs)
+    assert row["added_ttft_ms"][0] > 50  # the p50s' difference jumped
+    assert row["added_ttft_by_job_ms"] == pytest.approx([3.0, 2.0, 4.0])
+    assert row["added_ttft_by_job_ms_median"] == pytest.approx(3.0)
+    assert "| 3.0 | 1.000 |" in markdown([row], META)
 
 
 def test_the_stepping_threads_figures_are_paired_medians_in_a_table_of_their_own() -> None:
