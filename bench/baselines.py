@@ -167,16 +167,20 @@ def _summarize(
     token_times: Sequence[Sequence[float]],
     completion_tokens: int,
     per_token_times: bool = True,
+    first_event_tokens: Sequence[int | None] | None = None,
 ) -> dict[str, Any]:
     """Common figures. token_times[j] = arrival times (perf_counter) of job j's tokens or chunks.
 
     ``ttft_ms_jobs`` keeps each job's first arrival, in the jobs' order (None for a job that
-    got nothing): two systems' runs on the same prompts compare job by job (bench.paired)."""
+    got nothing): two systems' runs on the same prompts compare job by job (bench.paired).
+    ``first_event_tokens[j]``, where a system counts them, is how many tokens job j's first
+    arrival carried: more than one where the generator held text back (partial UTF-8)."""
     ttft = [tt[0] - t0 for tt in token_times if tt]
     itl = (
         [b - a for tt in token_times for a, b in itertools.pairwise(tt)] if per_token_times else []
     )
     wall = t_end - t0
+    held = {} if first_event_tokens is None else {"first_event_tokens": list(first_event_tokens)}
     t50, t99 = percentiles(_ms(ttft))
     i50, i99 = percentiles(_ms(itl))
     return {
@@ -197,6 +201,7 @@ def _summarize(
         "ttft_ms_jobs": [round((tt[0] - t0) * 1000.0, 3) if tt else None for tt in token_times],
         "itl_ms_p50": i50,
         "itl_ms_p99": i99,
+        **held,
     }
 
 
@@ -246,6 +251,7 @@ class _StepLog:
     def __init__(self, jobs: int) -> None:
         self.token_times: list[list[float]] = [[] for _ in range(jobs)]
         self.event_times: list[list[float]] = [[] for _ in range(jobs)]
+        self.first_event_tokens: list[int | None] = [None] * jobs
         self.seen = [0] * jobs
         self.final_tokens: list[int | None] = [None] * jobs
         self.step_ms: list[float] = []
@@ -266,6 +272,8 @@ class _StepLog:
                 continue
             j = int(r["identifier"])
             if "token_ids" in r:  # tokens handed to the caller (held-back text comes later)
+                if not self.event_times[j]:
+                    self.first_event_tokens[j] = int(r["token_ids"].shape[-1])
                 self.event_times[j].append(te)
             if j not in touched:
                 touched.add(j)
@@ -411,6 +419,7 @@ def run_dynamic(
         t_end=log.t_end,
         token_times=log.event_times,
         completion_tokens=sum(t or 0 for t in log.final_tokens),
+        first_event_tokens=log.first_event_tokens,
     )
     made = [tt[0] - t0 for tt in log.token_times if tt]
     made_itl = [b - a for tt in log.token_times for a, b in itertools.pairwise(tt)]

@@ -240,10 +240,11 @@ async def _run_point(
     max_new_tokens: int,
     after_warm_up: Callable[[], object],
     pack_ids: bool,
-) -> tuple[float, float, list[list[float]], int, dict[str, list[float]]]:
+) -> tuple[float, float, list[list[float]], int, dict[str, list[float]], list[int | None]]:
     """Times are per token event as the SDK receives it: a chunk of several tokens (text held
     back by the generator, e.g. partial UTF-8) is one arrival. The parts of the TTFT come
-    back too: submit() returning, and the worker's own timings from the done event.
+    back too: submit() returning, and the worker's own timings from the done event; and how
+    many tokens each job's first event carried.
 
     First as many short jobs as the run has, on other prompts, through the same producer:
     kernel variants compile there, the prefix cache learns nothing of the real prompts, and
@@ -259,6 +260,7 @@ async def _run_point(
         after_warm_up()
         times: list[list[float]] = [[] for _ in prompts]
         counts = [0] * len(prompts)
+        first_counts: list[int | None] = [None] * len(prompts)
         parts: dict[str, list[float]] = {"submit": [], "queued": [], "first_token": []}
 
         async def one(j: int, ids: list[int]) -> None:
@@ -272,6 +274,8 @@ async def _run_point(
             async for event in handle.stream():
                 if isinstance(event, TokenEvent):
                     times[j].append(time.perf_counter())
+                    if first_counts[j] is None:
+                        first_counts[j] = len(event.token_ids)
                     counts[j] += len(event.token_ids)
                 elif isinstance(event, DoneEvent):
                     parts["queued"].append(event.timings.queued_s)
@@ -285,7 +289,7 @@ async def _run_point(
         t0 = time.perf_counter()
         await asyncio.gather(*(one(j, ids) for j, ids in enumerate(prompts)))
         t_end = time.perf_counter()
-    return t0, t_end, times, sum(counts), parts
+    return t0, t_end, times, sum(counts), parts, first_counts
 
 
 class ExlqPath:
@@ -408,7 +412,7 @@ class ExlqPath:
                 into[name] = worker.metric(f"exlq_engine_step_seconds_{name}")
             threads_before.update(thread_clock.snapshot(pids))
 
-        t0, t_end, times, completion, parts = asyncio.run(
+        t0, t_end, times, completion, parts, first_counts = asyncio.run(
             _run_point(
                 self._redis.url, warm_up, prompts, max_new_tokens, read_step_metrics, self.pack_ids
             )
@@ -427,6 +431,7 @@ class ExlqPath:
             t_end=t_end,
             token_times=times,
             completion_tokens=completion,
+            first_event_tokens=first_counts,
         )
         out.update(
             {

@@ -237,6 +237,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "added_ttft_by_job_ms_median": (
                     statistics.median(added_by_job) if added_by_job else None
                 ),
+                # Pairs whose two runs held back the first tokens of different jobs; None
+                # where the runs do not count their first events' tokens.
+                **_held_apart(whole),
                 "step_ratio_median": statistics.median(step_ratios) if step_ratios else None,
                 # Inside the engine's TTFT since its clock starts before it builds its jobs
                 # (baselines.run_dynamic); older results started it after.
@@ -277,6 +280,23 @@ def _added_by_job(pair: dict[str, dict[str, Any]]) -> float | None:
         return None
     added = [b - e for b, e in zip(exlq, engine, strict=True) if b is not None and e is not None]
     return statistics.median(added) if added else None
+
+
+def _held_apart(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, int | None]:
+    """How many pairs had a job whose first event carried more than one token (its text held
+    back) in one run and not in the other, of the pairs whose runs both count them."""
+    counted = [
+        (p["exlq"]["first_event_tokens"], p["exlq-engine"]["first_event_tokens"])
+        for p in pairs
+        if p["exlq"].get("first_event_tokens") and p["exlq-engine"].get("first_event_tokens")
+    ]
+    if not counted:
+        return {"pairs_held_apart": None, "pairs_counting_held": None}
+    apart = sum(
+        any(((b or 0) > 1) != ((e or 0) > 1) for b, e in zip(exlq, engine, strict=True))
+        for exlq, engine in counted
+    )
+    return {"pairs_held_apart": apart, "pairs_counting_held": len(counted)}
 
 
 # Pairs whose two runs' CPU probes agree within this factor count as matched.
@@ -358,6 +378,19 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{s['added_ttft_ms_median']:.1f} | {_num(s.get('added_ttft_by_job_ms_median'), 1)} | "
             + (f"{s['step_ratio_median']:.3f} |" if s["step_ratio_median"] else "- |")
         )
+    held = [s for s in summary if s.get("pairs_counting_held")]
+    if held:
+        lines += [
+            "",
+            "Pairs whose runs held back the first tokens of different jobs (a first event of "
+            "more than one token: partial UTF-8 text held back; such a job in a burst's first "
+            "slice moves the TTFT p50 of a burst of several slices by half a slice): "
+            + "; ".join(
+                f"N={s['concurrency']}: {s['pairs_held_apart']} of {s['pairs_counting_held']}"
+                for s in held
+            )
+            + ".",
+        ]
     if any(s.get("ratio_at_equal_speed") is not None for s in summary):
         lines += [
             "",

@@ -46,6 +46,8 @@ def test_a_run_through_the_path_counts_every_token_and_times_its_parts(
         jobs = row["ttft_ms_jobs"]
         assert len(jobs) == n and all(t is not None and 0 < t < row["wall_s"] * 1000 for t in jobs)
         assert percentiles(jobs, [50]) == [pytest.approx(row["ttft_ms_p50"], abs=1e-3)]
+        # The echo engine holds no text back: every job's first event carries one token.
+        assert row["first_event_tokens"] == [1] * n
         # The parts of the TTFT that the SDK and the worker's done events report.
         assert row["submit_ms_p50"] > 0 and row["queued_ms_p50"] >= 0
         # The worker's step metric moved: the run was read from /metrics.

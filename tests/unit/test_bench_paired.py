@@ -69,8 +69,10 @@ def test_ratios_are_taken_within_pairs_not_between_medians() -> None:
     table = markdown([eight], META)
     # Runs without per-job times (files from before them): no job-by-job figure.
     assert eight["added_ttft_by_job_ms"] == [] and eight["added_ttft_by_job_ms_median"] is None
+    assert eight["pairs_held_apart"] is None
     row = "| 8 | 3 | 800 | 800 | 0.990 (0.96-1.00) | 2 of 3 | 21.0 | 2.0 | 3.0 | - | 1.050 |"
     assert row in table
+    assert "held back" not in table
     assert "stepping thread" not in table  # runs without thread figures: no such table
 
 
@@ -99,19 +101,31 @@ def test_added_ttft_job_by_job_does_not_jump_with_a_held_back_first_token() -> N
         [t + 4.0 for t in _slices(210.0, 330.0)],
     ]
     exlq[2][40] = None
+    # How many tokens each job's first event carried: three where its text was held back.
+    held = [(None, 7), (5, 5), (None, None)]
     runs = []
     for repeat, (e, b) in enumerate(zip(engine, exlq, strict=True)):
-        for system, times in (("exlq-engine", e), ("exlq", b)):
+        for system, times, held_job in (
+            ("exlq-engine", e, held[repeat][0]),
+            ("exlq", b, held[repeat][1]),
+        ):
             [p50] = percentiles([t for t in times if t is not None], [50])
             assert p50 is not None
             run = _run(system, 64, repeat, 1000.0, p50)
             run["ttft_ms_jobs"] = times
+            run["first_event_tokens"] = [
+                None if t is None else 3 if j == held_job else 1 for j, t in enumerate(times)
+            ]
             runs.append(run)
     [row] = summarize(runs)
     assert row["added_ttft_ms"][0] > 50  # the p50s' difference jumped
     assert row["added_ttft_by_job_ms"] == pytest.approx([3.0, 2.0, 4.0])
     assert row["added_ttft_by_job_ms_median"] == pytest.approx(3.0)
-    assert "| 3.0 | 1.000 |" in markdown([row], META)
+    # Only pair 0 held back different jobs (pair 1 the same job in both runs).
+    assert (row["pairs_held_apart"], row["pairs_counting_held"]) == (1, 3)
+    table = markdown([row], META)
+    assert "| 3.0 | 1.000 |" in table
+    assert "held back the first tokens of different jobs" in table and "N=64: 1 of 3." in table
 
 
 def test_the_stepping_threads_figures_are_paired_medians_in_a_table_of_their_own() -> None:
