@@ -21,6 +21,7 @@ import datetime as dt
 import importlib
 import json
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -247,6 +248,12 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     p["exlq-engine"].get("build_ms", 0.0) for p in whole
                 ),
                 **_at_equal_speed(whole, ratios),
+                # How far each paired median could move with other pairs of the same spread.
+                "intervals": {
+                    "ratio": median_interval(ratios),
+                    "added_ttft_ms": median_interval(added),
+                    "added_ttft_by_job_ms": median_interval(added_by_job),
+                },
                 # The GPU's clocks around each system's runs (bench.gpu_clocks).
                 "gpu_clocks": {
                     f"{system}_{key}": _median_of(whole, system, key)
@@ -270,6 +277,25 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+# Bootstrap intervals of the paired medians: this many resamples, this seed (a file's
+# intervals are the same each time it is summarized or pooled), these percentiles.
+RESAMPLES = 4000
+INTERVAL_SEED = 1
+INTERVAL = (5.0, 95.0)
+
+
+def median_interval(values: list[float]) -> tuple[float, float] | None:
+    """The 90% bootstrap interval of the median of ``values``: the 5th and 95th percentiles
+    of the medians of RESAMPLES resamples drawn with replacement. None for fewer than two."""
+    if len(values) < 2:
+        return None
+    rng = random.Random(INTERVAL_SEED)
+    medians = [statistics.median(rng.choices(values, k=len(values))) for _ in range(RESAMPLES)]
+    lo, hi = baselines.percentiles(medians, INTERVAL)
+    assert lo is not None and hi is not None
+    return lo, hi
 
 
 def _added_by_job(pair: dict[str, dict[str, Any]]) -> float | None:
@@ -378,6 +404,7 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{s['added_ttft_ms_median']:.1f} | {_num(s.get('added_ttft_by_job_ms_median'), 1)} | "
             + (f"{s['step_ratio_median']:.3f} |" if s["step_ratio_median"] else "- |")
         )
+    lines += _interval_lines(summary)
     held = [s for s in summary if s.get("pairs_counting_held")]
     if held:
         lines += [
@@ -434,6 +461,30 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             )
     lines += _clock_lines(summary)
     return "\n".join(lines)
+
+
+def _interval_lines(summary: list[dict[str, Any]]) -> list[str]:
+    if not any(s.get("intervals") for s in summary):
+        return []
+    lines = [
+        "",
+        f"90% bootstrap intervals of the paired medians ({RESAMPLES:,} resamples of each "
+        f"point's pairs, seed {INTERVAL_SEED}):",
+        "",
+        "| N | pairs | exlq / engine | added TTFT p50 ms | added TTFT job by job ms |",
+        "|---|---|---|---|---|",
+    ]
+    for s in summary:
+        i = s.get("intervals") or {}
+        lines.append(
+            f"| {s['concurrency']} | {s['pairs']} | {_span(i.get('ratio'), 3)} | "
+            f"{_span(i.get('added_ttft_ms'), 1)} | {_span(i.get('added_ttft_by_job_ms'), 1)} |"
+        )
+    return lines
+
+
+def _span(interval: list[float] | tuple[float, float] | None, digits: int) -> str:
+    return "-" if not interval else f"{interval[0]:.{digits}f} to {interval[1]:.{digits}f}"
 
 
 def _clock_lines(summary: list[dict[str, Any]]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench.baselines import percentiles
-from bench.paired import _stepper_probes, markdown, pool, summarize
+from bench.paired import _stepper_probes, markdown, median_interval, pool, summarize
 
 META = {
     "gpu": "GPU",
@@ -265,3 +265,27 @@ def test_the_paired_table_gives_each_systems_clocks_and_every_reason_seen() -> N
     assert row["gpu_clock_reasons"] == ["sw_power_cap"]
     table = markdown([row], META)
     assert "| 32 | 345 / 1,600 / 1,980 | 400 | 345 / 1,600 / 1,980 | 400 | sw_power_cap |" in table
+
+
+def test_each_paired_median_comes_with_a_bootstrap_interval_the_same_each_time() -> None:
+    spread = [0.90, 0.95, 0.97, 0.98, 0.99, 1.00, 1.01, 1.02, 1.05, 1.20]
+    lo, hi = median_interval(spread) or (0.0, 0.0)
+    assert 0.90 < lo < 0.985 < hi < 1.20  # around the median (0.985), inside the range
+    assert median_interval(spread) == (lo, hi)  # seeded: a file's intervals never move
+    assert median_interval([1.0] * 5) == (1.0, 1.0)
+    assert median_interval([1.0]) is None  # one pair: no interval
+    # More pairs of the same spread: a narrower interval.
+    lo40, hi40 = median_interval(spread * 4) or (0.0, 0.0)
+    assert hi40 - lo40 < hi - lo
+
+    runs = []
+    for repeat, ratio in enumerate(spread):
+        runs += [
+            _run("exlq-engine", 8, repeat, 1000.0, 20.0),
+            _run("exlq", 8, repeat, 1000.0 * ratio, 20.0 + 10 * (ratio - 1)),
+        ]
+    [row] = summarize(runs)
+    assert row["intervals"]["ratio"] == pytest.approx((lo, hi))
+    assert row["intervals"]["added_ttft_by_job_ms"] is None  # no per-job times in these runs
+    table = markdown([row], META)
+    assert f"| 8 | 10 | {lo:.3f} to {hi:.3f} | " in table and " | - |" in table
