@@ -175,13 +175,13 @@ def _summarize(
     got nothing): two systems' runs on the same prompts compare job by job (bench.paired).
     ``first_event_tokens[j]``, where a system counts them, is how many tokens job j's first
     arrival carried: more than one where the generator held text back (partial UTF-8)."""
-    ttft = [tt[0] - t0 for tt in token_times if tt]
+    first_ms = [(tt[0] - t0) * 1000.0 if tt else None for tt in token_times]
     itl = (
         [b - a for tt in token_times for a, b in itertools.pairwise(tt)] if per_token_times else []
     )
     wall = t_end - t0
     held = {} if first_event_tokens is None else {"first_event_tokens": list(first_event_tokens)}
-    t50, t99 = percentiles(_ms(ttft))
+    t50, t99 = percentiles([t for t in first_ms if t is not None])
     i50, i99 = percentiles(_ms(itl))
     return {
         "system": system,
@@ -198,7 +198,7 @@ def _summarize(
         "output_tokens_per_s": completion_tokens / wall if wall > 0 else None,
         "ttft_ms_p50": t50,
         "ttft_ms_p99": t99,
-        "ttft_ms_jobs": [round((tt[0] - t0) * 1000.0, 3) if tt else None for tt in token_times],
+        "ttft_ms_jobs": [None if t is None else round(t, 3) for t in first_ms],
         "itl_ms_p50": i50,
         "itl_ms_p99": i99,
         **held,

@@ -405,19 +405,7 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             + (f"{s['step_ratio_median']:.3f} |" if s["step_ratio_median"] else "- |")
         )
     lines += _interval_lines(summary)
-    held = [s for s in summary if s.get("pairs_counting_held")]
-    if held:
-        lines += [
-            "",
-            "Pairs whose runs held back the first tokens of different jobs (a first event of "
-            "more than one token: partial UTF-8 text held back; such a job in a burst's first "
-            "slice moves the TTFT p50 of a burst of several slices by half a slice): "
-            + "; ".join(
-                f"N={s['concurrency']}: {s['pairs_held_apart']} of {s['pairs_counting_held']}"
-                for s in held
-            )
-            + ".",
-        ]
+    lines += _held_lines(summary)
     if any(s.get("ratio_at_equal_speed") is not None for s in summary):
         lines += [
             "",
@@ -481,6 +469,21 @@ def _interval_lines(summary: list[dict[str, Any]]) -> list[str]:
             f"{_span(i.get('added_ttft_ms'), 1)} | {_span(i.get('added_ttft_by_job_ms'), 1)} |"
         )
     return lines
+
+
+def _held_lines(summary: list[dict[str, Any]]) -> list[str]:
+    held = [s for s in summary if s.get("pairs_counting_held")]
+    if not held:
+        return []
+    counts = "; ".join(
+        f"N={s['concurrency']}: {s['pairs_held_apart']} of {s['pairs_counting_held']}" for s in held
+    )
+    return [
+        "",
+        "Pairs whose runs held back the first tokens of different jobs (a first event of more "
+        "than one token: partial UTF-8 text held back; such a job in a burst's first slice "
+        f"moves the TTFT p50 of a burst of several slices by half a slice): {counts}.",
+    ]
 
 
 def _span(interval: list[float] | tuple[float, float] | None, digits: int) -> str:

@@ -78,6 +78,18 @@ def _settle(reply: asyncio.Future[object] | None, result: object) -> None:
         reply.set_result(result)
 
 
+def event_connection(client: aioredis.Redis) -> AbstractConnection:
+    """A new, unconnected connection for events: the client's own settings (address, TLS,
+    credentials), speaking RESP3, with replies as bytes whatever the client decodes; its
+    writes packed in C, and what it has read taken whole after each read
+    (buffered_replies)."""
+    pool = client.connection_pool
+    connection: AbstractConnection = packed_in_c(pool.connection_class)(
+        **{**pool.connection_kwargs, "protocol": 3, "decode_responses": False, **parser_kwargs()}
+    )
+    return connection
+
+
 class EventRouter:
     """Reads the connection and hands each event to the queues of its channel.
 
@@ -92,18 +104,7 @@ class EventRouter:
         self._client = client
         self._check_channel = check_channel
         self._check_key = check_key
-        pool = client.connection_pool
-        # The client's own settings (address, TLS, credentials), speaking RESP3, with
-        # replies as bytes whatever the client decodes; its writes packed in C, and what
-        # it has read taken whole after each read (buffered_replies).
-        self._conn: AbstractConnection = packed_in_c(pool.connection_class)(
-            **{
-                **pool.connection_kwargs,
-                "protocol": 3,
-                "decode_responses": False,
-                **parser_kwargs(),
-            }
-        )
+        self._conn = event_connection(client)
         self._buffered = buffered_replies(self._conn)  # its parser, kept across reconnects
         self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}
         self._sent: deque[_Sent] = deque()

@@ -14,8 +14,7 @@ from redis.exceptions import ResponseError
 
 from producer import buffered_replies
 from producer.buffered_replies import NOTHING, BufferedRepliesParser, parser_kwargs
-from producer.command_packing import packed_in_c
-from producer.subscriber import EventRouter
+from producer.subscriber import EventRouter, event_connection
 
 pytestmark = pytest.mark.integration
 
@@ -35,11 +34,8 @@ def test_the_redis_py_it_reads_the_internals_of_is_the_pinned_one() -> None:
 
 
 async def _connection(client: aioredis.Redis) -> Any:
-    pool = client.connection_pool
-    conn = packed_in_c(pool.connection_class)(
-        **{**pool.connection_kwargs, "protocol": 3, "decode_responses": False, **parser_kwargs()}
-    )
-    await conn.connect()
+    conn = event_connection(client)  # as the router makes its own
+    await conn.connect()  # type: ignore[no-untyped-call]
     return conn
 
 
