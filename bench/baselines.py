@@ -180,7 +180,9 @@ def _summarize(
         [b - a for tt in token_times for a, b in itertools.pairwise(tt)] if per_token_times else []
     )
     wall = t_end - t0
-    held = {} if first_event_tokens is None else {"first_event_tokens": list(first_event_tokens)}
+    first_events = (
+        {} if first_event_tokens is None else {"first_event_tokens": list(first_event_tokens)}
+    )
     t50, t99 = percentiles([t for t in first_ms if t is not None])
     i50, i99 = percentiles(_ms(itl))
     return {
@@ -201,7 +203,7 @@ def _summarize(
         "ttft_ms_jobs": [None if t is None else round(t, 3) for t in first_ms],
         "itl_ms_p50": i50,
         "itl_ms_p99": i99,
-        **held,
+        **first_events,
     }
 
 
