@@ -95,7 +95,7 @@ def _setup(torch: Any, shape: str, batch: int, context: int, q_len: int) -> Setu
 
 
 def _ours(s: Setup, num_splits: int = 0) -> Callable[[], Any]:
-    from worker.kernels.paged_attention import flash_attn_with_kvcache
+    from exlq.worker.kernels.paged_attention import flash_attn_with_kvcache
 
     scale = s.q.shape[-1] ** -0.5
 
@@ -151,7 +151,7 @@ def _host_us(torch: Any, fn: Callable[[], Any]) -> tuple[float, float]:
 
 
 def _splits(s: Setup) -> int:
-    from worker.kernels import paged_attention as pa
+    from exlq.worker.kernels import paged_attention as pa
 
     batch, q_len, n_heads, head_dim = s.q.shape
     n_kv = s.k_pool.shape[2]

@@ -317,11 +317,11 @@ def exl_load(
     gpu_embedding: bool = False,
 ) -> Any:
     """The model, cache and generator, loaded as the worker loads them
-    (worker.engines.exllamav2_load): exllamav2's own generator, or with exlq_decode the one
+    (exlq.worker.engines.exllamav2.load): exllamav2's own generator, or with exlq_decode the one
     exlq's engine runs (GPU sampling, batched prefill of prefill_batch_tokens, steps that
     start jobs of admit_prompt_tokens prompt tokens together, the embedding table on the GPU
     with gpu_embedding). Returns the LoadedGenerator; its unload() frees it."""
-    loader = importlib.import_module("worker.engines.exllamav2_load")
+    loader = importlib.import_module("exlq.worker.engines.exllamav2.load")
     return loader.load_generator(
         model_dir,
         max_batch_size=concurrency,
@@ -489,7 +489,7 @@ def bench_exllamav2_dynamic(
         if warmup:
             # Readied as the worker's engine readies it (graphs with exlq_decode), then
             # short jobs on other prompts.
-            importlib.import_module("worker.engines.exllamav2_load").warm_up(loaded)
+            importlib.import_module("exlq.worker.engines.exllamav2.load").warm_up(loaded)
             warm_up_jobs(
                 generator, random_prompt_ids(model_dir, concurrency, prompt_tokens, seed + 1000)
             )

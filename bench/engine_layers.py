@@ -47,12 +47,12 @@ from typing import Any
 
 from bench.baselines import random_prompt_ids
 from bench.placement import on_cpus
-from producer.protocol import GenerationRequest
-from worker.engine_loop import EngineLoop, StepReport
-from worker.engine_process import encode_report
-from worker.engines.base import JobEnded
-from worker.gc_pauses import HeldCollections
-from worker.settings import WorkerSettings
+from exlq.protocol.models import GenerationRequest
+from exlq.worker.engine_loop import EngineLoop, StepReport
+from exlq.worker.engine_process import encode_report
+from exlq.worker.engines.base import JobEnded
+from exlq.worker.gc_pauses import HeldCollections
+from exlq.worker.settings import WorkerSettings
 
 
 def _requests(model: Path, jobs: int, prompt_tokens: int, new_tokens: int, seed: int) -> list[Any]:
@@ -331,8 +331,8 @@ class Layers:
 
     def run(self) -> None:
         """Every chosen layer at each job count; the process, if chosen, is loaded first."""
-        from worker.engine_process import EngineProcess
-        from worker.engines.exllamav2_engine import load_exllamav2_engine
+        from exlq.worker.engine_process import EngineProcess
+        from exlq.worker.engines.exllamav2.engine import load_exllamav2_engine
 
         process = EngineProcess(self.settings) if "process" in self.layers else None
         engine = None

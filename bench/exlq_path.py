@@ -17,9 +17,9 @@ from typing import Any, TypedDict
 from bench import thread_clock
 from bench.baselines import IDLE_BEFORE_RUN_S, _summarize, percentiles, random_prompt_ids
 from bench.placement import on_cpus
-from producer import AsyncProducer, DoneEvent, TokenEvent
-from worker.embedded_redis import RedisServer, free_port
-from worker.settings import WorkerSettings
+from exlq.producer import AsyncProducer, DoneEvent, TokenEvent
+from exlq.worker.embedded_redis import RedisServer, free_port
+from exlq.worker.settings import WorkerSettings
 
 # The worker's defaults, which every bench gives both its systems unless told otherwise.
 PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].default
@@ -152,7 +152,7 @@ class WorkerProcess:
         redis_url: str,
         options: dict[str, str],
         cpus: frozenset[int] | None = None,
-        module: str = "producer.cli",
+        module: str = "exlq",
         env: dict[str, str] | None = None,
         flags: Sequence[str] = (),
     ) -> None:
@@ -313,7 +313,7 @@ class ExlqPath:
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
         engine: str = "exllamav2",
-        worker_module: str = "producer.cli",
+        worker_module: str = "exlq",
         worker_env: dict[str, str] | None = None,
         pack_ids: bool = False,
     ) -> None:

@@ -23,7 +23,7 @@ from bench.make_checkpoint import model_for
 
 
 def _requests(rng: random.Random, jobs: int, prompt_tokens: int, vocab: int) -> list[Any]:
-    from producer.protocol import GenerationRequest, Sampling
+    from exlq.protocol.models import GenerationRequest, Sampling
 
     return [
         GenerationRequest(
@@ -68,8 +68,8 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/exlq-models")
     args = ap.parse_args()
 
-    from worker.engines.exllamav2_engine import load_exllamav2_engine
-    from worker.settings import WorkerSettings
+    from exlq.worker.engines.exllamav2.engine import load_exllamav2_engine
+    from exlq.worker.settings import WorkerSettings
 
     model, _ = model_for(args.shape, Path(args.models))
     engine = load_exllamav2_engine(

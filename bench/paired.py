@@ -81,7 +81,7 @@ class EngineAlone:
         )
         self.generator = self.loaded.generator
         # Readied as the worker's engine readies it.
-        importlib.import_module("worker.engines.exllamav2_load").warm_up(self.loaded)
+        importlib.import_module("exlq.worker.engines.exllamav2.load").warm_up(self.loaded)
 
     def run(
         self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int

@@ -89,8 +89,8 @@ _in_iterate: list[bool] = [False]
 
 def _wrap_engine_internals() -> None:
     try:
-        from worker.engines.exllamav2_engine import ExLlamaV2Engine
-        from worker.engines.exllamav2_generator import ExlqDynamicGenerator
+        from exlq.worker.engines.exllamav2.engine import ExLlamaV2Engine
+        from exlq.worker.engines.exllamav2.generator import ExlqDynamicGenerator
     except ImportError:  # no torch here: the echo engine
         return
 
@@ -126,9 +126,9 @@ def _wrap_engine_internals() -> None:
 
 
 def _wrap_worker(trace: TraceFile) -> None:
-    from worker import runner
-    from worker.engine_process import EngineProcess
-    from worker.engines.base import TokenChunk
+    from exlq.worker import runner
+    from exlq.worker.engine_process import EngineProcess
+    from exlq.worker.engines.base import TokenChunk
 
     Worker = runner.Worker
     accept_piece = Worker._accept_piece
@@ -206,7 +206,7 @@ def _wrap_worker(trace: TraceFile) -> None:
 
 def _wrap_broker(trace: TraceFile) -> None:
     """The worker's reads and start scripts."""
-    from worker.broker import Broker
+    from exlq.worker.broker import Broker
 
     read = Broker.read
 
@@ -232,8 +232,8 @@ def _wrap_broker(trace: TraceFile) -> None:
 
 
 def _wrap_engine_loop(trace: TraceFile) -> None:
-    from worker import engine_loop
-    from worker.engines.base import TokenChunk
+    from exlq.worker import engine_loop
+    from exlq.worker.engines.base import TokenChunk
 
     Loop = engine_loop.EngineLoop
     loop_add = Loop.add_many
@@ -296,7 +296,7 @@ def _wrap_engine_loop(trace: TraceFile) -> None:
 def _wrap_engine_offers(trace: TraceFile) -> None:
     """--offer-before-start in the engine process: each part offered, the admit, and the
     engine's builds ahead of the admit."""
-    from worker.engine_loop import EngineLoop as Loop
+    from exlq.worker.engine_loop import EngineLoop as Loop
 
     loop_offer, loop_admit = Loop.offer, Loop.admit
 
@@ -323,7 +323,7 @@ def _wrap_engine_offers(trace: TraceFile) -> None:
     Loop._build_ahead = traced_build_ahead  # type: ignore[method-assign]
 
     # In the engine process the stepping thread reads the worker's messages itself.
-    from worker import engine_loop, engine_process
+    from exlq.worker import engine_loop, engine_process
 
     command_from = engine_process.command_from
 
@@ -350,8 +350,8 @@ class BenchTrace:
 
     def __init__(self) -> None:
         from bench import baselines, exlq_path
-        from producer.submit_batch import SubmitBatcher
-        from producer.subscriber import EventRouter
+        from exlq.producer.submit_batch import SubmitBatcher
+        from exlq.producer.subscriber import EventRouter
 
         self.summaries: list[tuple[float, list[list[float]]]] = []
         self.engine_steps: list[tuple[float, float]] = []
@@ -421,8 +421,8 @@ class EngineClassAlone:
     process, the pipes or the queue."""
 
     def __init__(self, model: Path, max_batch_size: int, options: dict[str, Any]) -> None:
-        from worker.engines.exllamav2_engine import load_exllamav2_engine
-        from worker.settings import WorkerSettings
+        from exlq.worker.engines.exllamav2.engine import load_exllamav2_engine
+        from exlq.worker.settings import WorkerSettings
 
         settings = WorkerSettings(
             model=model, max_batch_size=max_batch_size, attention="exlq", **options
@@ -435,7 +435,7 @@ class EngineClassAlone:
         self.engine.set_wait_work(lambda: self._readied.extend(self.engine.prepare_next_step()))
 
     def _requests(self, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
-        from producer.protocol import GenerationRequest, Sampling
+        from exlq.protocol.models import GenerationRequest, Sampling
 
         return [
             GenerationRequest(
@@ -448,7 +448,7 @@ class EngineClassAlone:
         ]
 
     def _drain(self, requests: list[Any]) -> tuple[list[list[float]], dict[str, float]]:
-        from worker.engines.base import JobEnded, TokenChunk
+        from exlq.worker.engines.base import JobEnded, TokenChunk
 
         for request in requests:
             self.engine.add(request.id, request)
@@ -852,7 +852,7 @@ def measure(args: argparse.Namespace, model: Path, shape: str) -> list[Record]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:  # the worker, as `exlq worker` with the wrappers above
-        from producer.cli import main as cli_main
+        from exlq.cli import main as cli_main
 
         cli_main()
     else:

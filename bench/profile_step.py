@@ -23,8 +23,8 @@ def build(
     model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int, graphs: bool,
     gpu_sampling: bool,
 ) -> Any:  # fmt: skip
-    from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_load import load_generator, warm_up
+    from exlq.worker.engines.exllamav2.attention import install_attention
+    from exlq.worker.engines.exllamav2.load import load_generator, warm_up
 
     install_attention("exlq")
     loaded = load_generator(

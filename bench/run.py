@@ -65,7 +65,7 @@ def gpu_name() -> str:
 
 
 def exlq_attention_patch() -> None:
-    from worker.engines.exllamav2_attention import install_attention
+    from exlq.worker.engines.exllamav2.attention import install_attention
 
     install_attention("exlq")
 

@@ -32,11 +32,11 @@ from typing import Any
 
 import redis
 
-from producer import submit_batch
-from producer.client import AsyncProducer, JobHandle
-from producer.keys import QueueKeys
-from producer.protocol import DoneEvent, Timings, TokenEvent, Usage
-from worker.embedded_redis import RedisServer
+from exlq.producer import submit_batch
+from exlq.producer.client import AsyncProducer, JobHandle
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import DoneEvent, Timings, TokenEvent, Usage
+from exlq.worker.embedded_redis import RedisServer
 
 QUEUE = "sdk-bench"
 PROMPT_TOKENS = 256

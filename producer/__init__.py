@@ -1,9 +1,10 @@
-"""exlq's producer side: the wire contract and the SDK. Needs no torch and no GPU."""
+"""The SDK: submit jobs to a queue and follow their events. Needs no torch and no GPU."""
 
-from producer.client import AsyncProducer, JobHandle, JobStatus
-from producer.errors import ExlqError, InvalidRequest, JobFailed, JobRestarted, QueueFull
-from producer.keys import QueueKeys
-from producer.protocol import (
+from exlq.producer.client import AsyncProducer, JobHandle, JobStatus
+from exlq.producer.errors import ExlqError, InvalidRequest, JobFailed, JobRestarted, QueueFull
+from exlq.producer.sync_client import Producer, SyncJobHandle
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import (
     ChatMessage,
     DoneEvent,
     ErrorEvent,
@@ -14,7 +15,6 @@ from producer.protocol import (
     Sampling,
     TokenEvent,
 )
-from producer.sync_client import Producer, SyncJobHandle
 
 __all__ = [
     "AsyncProducer",

@@ -1,4 +1,4 @@
-"""The `exlq` command: submit jobs, follow them, print the wire schema; runs workers too."""
+"""The `exlq` command's client side: submit jobs, follow them, print the wire schema."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Annotated, Any
 import typer
 from redis.exceptions import RedisError
 
-from producer.client import AsyncProducer
-from producer.errors import ExlqError
-from producer.keys import DEFAULT_PREFIX
-from producer.protocol import DoneEvent, ErrorEvent, RequeuedEvent, TokenEvent, json_schemas
+from exlq.producer.client import AsyncProducer
+from exlq.producer.errors import ExlqError
+from exlq.protocol.keys import DEFAULT_PREFIX
+from exlq.protocol.models import DoneEvent, ErrorEvent, RequeuedEvent, TokenEvent, json_schemas
 
 app = typer.Typer(
     name="exlq",
@@ -201,21 +201,3 @@ def schema(
         typer.echo(json.dumps(schemas[which], indent=2))
     else:
         raise _fail(f"unknown schema {which!r}: use request, event, result or all")
-
-
-def _add_worker_commands() -> None:
-    from worker.cli import up, worker
-
-    app.command(help=worker.__doc__)(worker)
-    app.command(help=up.__doc__)(up)
-
-
-_add_worker_commands()
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()

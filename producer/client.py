@@ -15,12 +15,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from producer.backoff import REDIS_BACKOFF
-from producer.command_packing import pack_in_c
-from producer.errors import ExlqError, JobFailed, JobRestarted, QueueFull
-from producer.keys import DEFAULT_PREFIX, QueueKeys
-from producer.packed_ids import PackedIds
-from producer.protocol import (
+from exlq.producer.errors import ExlqError, JobFailed, JobRestarted, QueueFull
+from exlq.producer.quiet_wait import QuietWait
+from exlq.producer.submit_batch import SubmitBatcher
+from exlq.producer.subscriber import RECONNECTED, EventRouter
+from exlq.protocol.backoff import REDIS_BACKOFF
+from exlq.protocol.command_packing import pack_in_c
+from exlq.protocol.keys import DEFAULT_PREFIX, QueueKeys
+from exlq.protocol.models import (
     DoneEvent,
     ErrorEvent,
     Event,
@@ -33,9 +35,7 @@ from producer.protocol import (
     final_state,
     parse_event,
 )
-from producer.quiet_wait import QuietWait
-from producer.submit_batch import SubmitBatcher
-from producer.subscriber import RECONNECTED, EventRouter
+from exlq.protocol.packed_ids import PackedIds
 
 log = logging.getLogger(__name__)
 

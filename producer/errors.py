@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producer.protocol import ErrorInfo, InvalidRequest
+from exlq.protocol.models import ErrorInfo, InvalidRequest
 
 
 class ExlqError(Exception):

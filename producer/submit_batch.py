@@ -37,16 +37,11 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from producer.batch_script import per_job_script, reply_pairs
-from producer.eager_task import EAGER_START, eager_task
-from producer.keys import QueueKeys
-from producer.subscriber import EventRouter
+from exlq.producer.subscriber import EventRouter
+from exlq.protocol.batch_script import PIECE_JOBS, per_job_script, reply_pairs
+from exlq.protocol.eager_task import EAGER_START, eager_task
+from exlq.protocol.keys import QueueKeys
 
-# The most submits one script takes. A worker accepts a burst in pieces of this size too
-# (worker.runner.ACCEPT_PIECE): 32 prompts of 256 tokens are the engine's first admission
-# slice. Redis runs nothing else while a script runs: 256 jobs of 256-token prompts took
-# 3.5 ms of it (INFO commandstats, development machine), 64 jobs 0.8 ms.
-PIECE_JOBS = 32
 # The pieces of a loop pass's first PIECE_JOBS jobs: a worker offers each to its engine
 # while the SDK validates the next (docs/PERFORMANCE.md, "A burst's first piece" and "A
 # burst's first slice in pieces of 8").

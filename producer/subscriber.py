@@ -37,9 +37,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
-from producer.backoff import reconnect_delay_s
-from producer.buffered_replies import NOTHING, buffered_replies, parser_kwargs
-from producer.command_packing import packed_in_c
+from exlq.producer.buffered_replies import NOTHING, buffered_replies, parser_kwargs
+from exlq.protocol.backoff import reconnect_delay_s
+from exlq.protocol.command_packing import packed_in_c
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from producer.client import AsyncProducer, JobHandle, JobStatus
-from producer.protocol import Event, GenerationRequest, JobResult
+from exlq.producer.client import AsyncProducer, JobHandle, JobStatus
+from exlq.protocol.models import Event, GenerationRequest, JobResult
 
 T = TypeVar("T")
 

@@ -19,15 +19,15 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from producer.keys import QueueKeys
-from worker.broker import Broker
-from worker.embedded_redis import RedisServer
-from worker.engine_loop import EngineLoop
-from worker.engines.base import Engine
-from worker.engines.echo import EchoEngine
-from worker.metrics import Metrics
-from worker.runner import Worker
-from worker.settings import WorkerSettings
+from exlq.protocol.keys import QueueKeys
+from exlq.worker.broker import Broker
+from exlq.worker.embedded_redis import RedisServer
+from exlq.worker.engine_loop import EngineLoop
+from exlq.worker.engines.base import Engine
+from exlq.worker.engines.echo.engine import EchoEngine
+from exlq.worker.metrics import Metrics
+from exlq.worker.runner import Worker
+from exlq.worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 _queue_numbers = itertools.count()
@@ -143,7 +143,7 @@ def worker_process(redis_url: str, queue: str, *extra: str, **env: str) -> subpr
         [
             sys.executable,
             "-m",
-            "producer.cli",
+            "exlq",
             "worker",
             "--redis-url",
             redis_url,

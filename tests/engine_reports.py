@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import queue
 
-from worker.engine_loop import StepReport
-from worker.engines.base import EngineOutput
+from exlq.worker.engine_loop import StepReport
+from exlq.worker.engines.base import EngineOutput
 
 
 def collect_ends(reports: queue.SimpleQueue[StepReport], want: int) -> list[EngineOutput]:

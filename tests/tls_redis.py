@@ -21,8 +21,8 @@ from urllib.parse import quote
 import redis
 import trustme
 
-from producer.keys import DEFAULT_PREFIX
-from worker.embedded_redis import RedisServer, free_port
+from exlq.protocol.keys import DEFAULT_PREFIX
+from exlq.worker.embedded_redis import RedisServer, free_port
 
 HOST = "127.0.0.1"
 _SEARCHED = ("/usr/bin/redis-server", "/usr/local/bin/redis-server")

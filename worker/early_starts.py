@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from worker.engine_loop import EngineRunner, StepReport
-from worker.engines.base import EngineOutput, TokenChunk
+from exlq.worker.engine_loop import EngineRunner, StepReport
+from exlq.worker.engines.base import EngineOutput, TokenChunk
 
 
 class EarlyStarts:

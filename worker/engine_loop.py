@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from producer.protocol import InvalidRequest
-from worker.engines.base import (
+from exlq.protocol.models import InvalidRequest
+from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
     EngineDead,
@@ -23,11 +23,11 @@ from worker.engines.base import (
     TokenChunk,
     describe_error,
 )
-from worker.engines.engine_request import EngineRequest
-from worker.gc_pauses import HeldCollections
+from exlq.worker.engines.engine_request import EngineRequest
+from exlq.worker.gc_pauses import HeldCollections
 
 if TYPE_CHECKING:
-    from worker.settings import WorkerSettings
+    from exlq.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ ReportSink = Callable[[StepReport], None]
 
 class EngineRunner(Protocol):
     """What the worker drives: an engine on a thread (EngineLoop) or in a process of its own
-    (worker.engine_process.EngineProcess)."""
+    (exlq.worker.engine_process.EngineProcess)."""
 
     name: str
     capacity: int

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, overload
 
-from worker.command_pipe import FrameReader, FrameWriter, widen_pipe
-from worker.engine_loop import (
+from exlq.worker.command_pipe import FrameReader, FrameWriter, widen_pipe
+from exlq.worker.engine_loop import (
     Admit,
     Cancel,
     Command,
@@ -24,7 +24,7 @@ from worker.engine_loop import (
     StepReport,
     Stop,
 )
-from worker.engines.base import (
+from exlq.worker.engines.base import (
     CacheUsage,
     EngineOutput,
     EngineSetup,
@@ -34,15 +34,15 @@ from worker.engines.base import (
     TokenChunk,
     describe_error,
 )
-from worker.engines.engine_request import (
+from exlq.worker.engines.engine_request import (
     EngineRequest,
     PackedRequest,
     WireRequest,
     decode_request,
     encode_request,
 )
-from worker.gc_pauses import HeldCollections, freeze_startup_heap
-from worker.settings import WorkerSettings
+from exlq.worker.gc_pauses import HeldCollections, freeze_startup_heap
+from exlq.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from worker.engines import build_engine
+    from exlq.worker.engines import build_engine
 
     try:
         engine = build_engine(settings)

@@ -8,7 +8,7 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from worker.metrics import WsgiApp
+from exlq.worker.metrics import WsgiApp
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from producer.protocol import GenerationRequest, InvalidRequest
-from worker.settings import WorkerSettings
+from exlq.protocol.models import GenerationRequest, InvalidRequest
+from exlq.worker.settings import WorkerSettings
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
 
-from producer.keys import QueueKeys
-from worker.broker import Broker
-from worker.engine_loop import EngineLoop, EngineRunner
-from worker.engine_process import EngineProcess
-from worker.engines import EngineUnavailable, build_engine
-from worker.gc_pauses import freeze_startup_heap
-from worker.http_server import HealthServer
-from worker.metrics import Metrics
-from worker.runner import Worker
-from worker.settings import WorkerSettings
+from exlq.protocol.keys import QueueKeys
+from exlq.worker.broker import Broker
+from exlq.worker.engine_loop import EngineLoop, EngineRunner
+from exlq.worker.engine_process import EngineProcess
+from exlq.worker.engines import EngineUnavailable, build_engine
+from exlq.worker.gc_pauses import freeze_startup_heap
+from exlq.worker.http_server import HealthServer
+from exlq.worker.metrics import Metrics
+from exlq.worker.runner import Worker
+from exlq.worker.settings import WorkerSettings
 
 log = logging.getLogger("exlq.worker")
 

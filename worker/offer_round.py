@@ -14,8 +14,8 @@ brings only what was not started early.
 
 from __future__ import annotations
 
-from producer.protocol import GenerationRequest
-from worker.engine_loop import EngineRunner
+from exlq.protocol.models import GenerationRequest
+from exlq.worker.engine_loop import EngineRunner
 
 # A piece's first job is offered alone, the rest in parts of OFFER_PART: the engine, idle
 # when a burst comes, starts on the first job while the worker parses the next eight, and

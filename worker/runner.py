@@ -13,10 +13,11 @@ from collections.abc import Awaitable, Callable
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from producer.backoff import REDIS_BACKOFF, reconnect_delay_s
-from producer.eager_task import started_task
-from producer.keys import check_name
-from producer.protocol import (
+from exlq.protocol.backoff import REDIS_BACKOFF, reconnect_delay_s
+from exlq.protocol.batch_script import PIECE_JOBS
+from exlq.protocol.eager_task import started_task
+from exlq.protocol.keys import check_name
+from exlq.protocol.models import (
     ErrorEvent,
     ErrorInfo,
     FinishReason,
@@ -25,17 +26,16 @@ from producer.protocol import (
     JobResult,
     parse_request,
 )
-from producer.submit_batch import PIECE_JOBS
-from worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
-from worker.early_starts import EarlyStarts
-from worker.engine_loop import EngineRunner, StepReport
-from worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
-from worker.gc_pauses import collections_deferred
-from worker.limits import RequestLimits
-from worker.metrics import Metrics
-from worker.offer_round import OfferRound
-from worker.running_job import RunningJob
-from worker.settings import WorkerSettings
+from exlq.worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
+from exlq.worker.early_starts import EarlyStarts
+from exlq.worker.engine_loop import EngineRunner, StepReport
+from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
+from exlq.worker.gc_pauses import collections_deferred
+from exlq.worker.limits import RequestLimits
+from exlq.worker.metrics import Metrics
+from exlq.worker.offer_round import OfferRound
+from exlq.worker.running_job import RunningJob
+from exlq.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set, then drain within the grace period. Returns the exit
         code: 0 after a clean stop, EXIT_ENGINE_DEAD if the engine died."""
-        from worker.upkeep import Upkeep
+        from exlq.worker.upkeep import Upkeep
 
         self.clock_offset_s = await self.broker.clock_offset_s()
         await self.broker.ensure_group()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producer.protocol import (
+from exlq.protocol.models import (
     DoneEvent,
     ErrorEvent,
     ErrorInfo,
@@ -18,7 +18,7 @@ from producer.protocol import (
     final_state,
     token_event_json,
 )
-from worker.engines.base import JobEnded, TokenChunk
+from exlq.worker.engines.base import JobEnded, TokenChunk
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.keys import DEFAULT_PREFIX, check_name
+from exlq.protocol.keys import DEFAULT_PREFIX, check_name
 
 EngineName = Literal["exllamav2", "echo"]
 AttentionChoice = Literal["auto", "flash-attn", "exlq"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from worker.runner import Worker
+from exlq.worker.runner import Worker
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ def make_loaded(model_dir: Path) -> Iterator[Callable[..., Any]]:
     admit_prompt_tokens > 0: with that budget of prompt tokens for the jobs a step starts;
     gpu_embedding: the embedding table on the GPU; decode_graphs: warm_up captures the
     decode step); unloaded after the test."""
-    from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_load import LoadedGenerator, load_generator
+    from exlq.worker.engines.exllamav2.attention import install_attention
+    from exlq.worker.engines.exllamav2.load import LoadedGenerator, load_generator
 
     loads: list[LoadedGenerator] = []
 

@@ -90,7 +90,7 @@ def compare_replay_with_eager(
     (`after_capture` may set them up further); assert that the decode steps replayed and
     computed the same (assert_same_greedy). Returns the graphs and the largest logit
     difference."""
-    from worker.engines.exllamav2_graphs import decode_graphs_for
+    from exlq.worker.engines.exllamav2.graphs import decode_graphs_for
 
     eager = generate(generator)
     graphs = decode_graphs_for(generator, max_batch)

@@ -17,7 +17,7 @@ pytestmark = [
 
 
 def test_exllamav2_still_calls_flash_attn_with_kvcache_the_way_we_serve_it(cuda: None) -> None:
-    from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, check_hook_points
+    from exlq.worker.engines.exllamav2.attention import PINNED_EXLLAMAV2, check_hook_points
 
     attn = importlib.import_module("exllamav2.attn")
     check_hook_points(attn)
@@ -41,11 +41,11 @@ def test_exllamav2_still_calls_flash_attn_with_kvcache_the_way_we_serve_it(cuda:
 
 
 def test_installing_the_hook_enables_paged_mode(cuda: None) -> None:
-    from worker.engines.exllamav2_attention import install_attention, padding_supported
+    from exlq.worker.engines.exllamav2.attention import install_attention, padding_supported
 
     assert install_attention("exlq") == "exlq"
     attn = importlib.import_module("exllamav2.attn")
-    assert attn.flash_attn_with_kvcache.__module__ == "worker.engines.exllamav2_attention"
+    assert attn.flash_attn_with_kvcache.__module__ == "exlq.worker.engines.exllamav2.attention"
     assert padding_supported()
     assert attn.has_flash_attn is False  # unpaged paths must keep their own attention
     attn.assert_paged_attn()  # what ExLlamaV2DynamicGenerator(paged=True) checks

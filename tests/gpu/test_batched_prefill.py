@@ -131,7 +131,7 @@ def test_exllamav2_still_prefills_the_way_the_batcher_relies_on(cuda: None) -> N
     from exllamav2.generator import ExLlamaV2DynamicGenerator
     from exllamav2.generator.dynamic import ExLlamaV2DynamicJob
 
-    from worker.engines.exllamav2_prefill import PREFILL_KWARGS
+    from exlq.worker.engines.exllamav2.prefill import PREFILL_KWARGS
 
     source = inspect.getsource(ExLlamaV2DynamicJob.prefill)
     calls = re.findall(r"(\S*)\s*self\.generator\.model\.forward_chunk\((.*?)\n\s*\)", source, re.S)
@@ -156,7 +156,7 @@ def test_exllamav2_still_prefills_the_way_the_batcher_relies_on(cuda: None) -> N
 
 
 def _compiled_variants() -> int:
-    from worker.kernels.paged_attention import _paged_attn_fwd
+    from exlq.worker.kernels.paged_attention import _paged_attn_fwd
 
     caches = getattr(_paged_attn_fwd, "device_caches", None)
     if caches is None:
@@ -183,7 +183,7 @@ def test_warm_up_compiles_what_a_burst_needs(make_generator: Any, lengths: list[
     _first_logits(generator, [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths])
     print(f"\nprefill warm-up {seconds:.1f} s, {compiled} attention variants")
     if _compiled_variants() != compiled:
-        from worker.kernels.paged_attention import _paged_attn_fwd
+        from exlq.worker.kernels.paged_attention import _paged_attn_fwd
 
         keys = [key for entry in _paged_attn_fwd.device_caches.values() for key in entry[0]]
         pytest.fail(f"a burst compiled a kernel variant mid-service; variants now: {keys}")

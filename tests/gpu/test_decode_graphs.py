@@ -48,7 +48,7 @@ def test_graph_replay_matches_the_eager_forward_pass(
 def test_warm_up_captures_the_decode_step_only_where_the_load_asked(make_loaded: Any) -> None:
     """One flag, load_generator's decode_graphs, decides both how the model is loaded and
     whether warm_up captures its decode step, for 1..max_batch_size jobs."""
-    from worker.engines.exllamav2_load import warm_up
+    from exlq.worker.engines.exllamav2.load import warm_up
 
     plain = make_loaded(max_batch=4)
     assert warm_up(plain).graphs is None
@@ -67,7 +67,7 @@ def test_generator_still_makes_the_decode_call_the_graphs_replace(cuda: None) ->
     from exllamav2.attn import ExLlamaV2Attention
     from exllamav2.generator import ExLlamaV2DynamicGenerator
 
-    from worker.engines.exllamav2_graphs import _DECODE_KWARGS
+    from exlq.worker.engines.exllamav2.graphs import _DECODE_KWARGS
 
     source = inspect.getsource(ExLlamaV2DynamicGenerator.iterate_gen)
     call = re.search(r"self\.model\.forward_chunk\((.*?)\n\s*\)", source, re.S)

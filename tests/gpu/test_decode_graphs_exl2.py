@@ -41,8 +41,8 @@ def exl2_model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 def _load(model_dir: Path, decode_graphs: bool) -> Any:
-    from worker.engines.exllamav2_attention import install_attention
-    from worker.engines.exllamav2_load import load_generator
+    from exlq.worker.engines.exllamav2.attention import install_attention
+    from exlq.worker.engines.exllamav2.load import load_generator
 
     install_attention("exlq")
     return load_generator(
@@ -64,7 +64,7 @@ def _generate(generator: Any) -> dict[int, tuple[list[int], Any]]:
 
 
 def test_exl2_graph_replay_matches_the_eager_forward_pass(exl2_model_dir: Path) -> None:
-    from worker.engines.exllamav2_graphs import graphs_unsupported_reason, has_quantized_layers
+    from exlq.worker.engines.exllamav2.graphs import graphs_unsupported_reason, has_quantized_layers
 
     loaded = _load(exl2_model_dir, decode_graphs=True)
     try:
@@ -85,7 +85,7 @@ def test_exl2_batches_replayed_padded_match_the_eager_forward_pass(exl2_model_di
     the first job's, computes what exllamav2's forward pass computes for the batch alone.
     Every size is padded here, whatever the capture measured, so that each decode step of
     32 jobs or fewer takes the padded path."""
-    from worker.engines import exllamav2_graphs
+    from exlq.worker.engines.exllamav2 import graphs as exllamav2_graphs
 
     pad_rows = exllamav2_graphs._QUANT_KERNEL_ROWS + 1
     loaded = _load(exl2_model_dir, decode_graphs=True)
@@ -114,7 +114,7 @@ def test_exl2_loaded_with_exllamav2s_own_graphs_gets_no_decode_graphs(
     exl2_model_dir: Path,
 ) -> None:
     """A capture cannot hold exllamav2's own module graphs; the reason says how to load."""
-    from worker.engines.exllamav2_graphs import graphs_unsupported_reason
+    from exlq.worker.engines.exllamav2.graphs import graphs_unsupported_reason
 
     loaded = _load(exl2_model_dir, decode_graphs=False)
     try:
@@ -137,7 +137,7 @@ def test_the_matmul_tuning_that_capture_waits_out_is_as_pinned(cuda: None) -> No
     installed extension times more calls or larger shapes, a capture would break."""
     import exllamav2
 
-    from worker.engines import exllamav2_graphs
+    from exlq.worker.engines.exllamav2 import graphs as exllamav2_graphs
 
     ext = Path(exllamav2.__file__).parent / "exllamav2_ext"
     assert _define(ext / "cuda" / "q_gemm_autotune.cuh", "AT_NUM_MEASURE") == (
@@ -155,7 +155,7 @@ def test_the_rows_where_the_matmul_dequantizes_are_as_pinned(cuda: None) -> None
     multiplies from the quantized weights; if that bound moves, the padded size is wrong."""
     import exllamav2
 
-    from worker.engines import exllamav2_graphs
+    from exlq.worker.engines.exllamav2 import graphs as exllamav2_graphs
 
     ext = Path(exllamav2.__file__).parent / "exllamav2_ext"
     assert _define(ext / "config.h", "MAX_Q_GEMM_ROWS") == exllamav2_graphs._QUANT_KERNEL_ROWS

@@ -1,4 +1,4 @@
-"""The embedding table on the GPU (worker/engines/exllamav2_embedding.py) changes where the
+"""The embedding table on the GPU (worker/engines/exllamav2/embedding.py) changes where the
 rows are gathered, not what the model computes; a GPU without room keeps the table where
 exllamav2 put it."""
 
@@ -39,7 +39,7 @@ def test_exllamav2_loads_the_table_on_the_cpu_and_gathers_it_in_forward(
     """Fails loudly if exllamav2 0.3.2's embedding module moves what the hook relies on."""
     from exllamav2.embedding import ExLlamaV2Embedding
 
-    from worker.engines.exllamav2_embedding import embedding_device, embedding_module
+    from exlq.worker.engines.exllamav2.embedding import embedding_device, embedding_module
 
     model = make_generator().model
     assert isinstance(embedding_module(model), ExLlamaV2Embedding)
@@ -57,7 +57,7 @@ def test_the_model_computes_the_same_logits_with_the_table_on_the_gpu(
 ) -> None:
     import torch
 
-    from worker.engines.exllamav2_embedding import embedding_device, move_embedding_to_gpu
+    from exlq.worker.engines.exllamav2.embedding import embedding_device, move_embedding_to_gpu
 
     model = make_generator().model
     ids = torch.cat([p[:, :64] for p in _prompts()[1:]])  # (3, 64): a batch, one pass
@@ -75,7 +75,7 @@ def test_exlq_generator_makes_the_same_tokens_with_the_table_on_the_gpu(
     make_loaded: Any,
 ) -> None:
     """Batched prefill, GPU sampling and decode graphs, with the table on either side."""
-    from worker.engines.exllamav2_load import warm_up
+    from exlq.worker.engines.exllamav2.load import warm_up
 
     runs = {}
     for gpu_embedding in (False, True):
@@ -106,7 +106,7 @@ def test_a_gpu_without_room_keeps_the_table_in_system_memory(
 ) -> None:
     import torch
 
-    from worker.engines import exllamav2_embedding
+    from exlq.worker.engines.exllamav2 import embedding as exllamav2_embedding
 
     def full(tensor: Any, device: Any) -> Any:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")

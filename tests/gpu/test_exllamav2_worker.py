@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from producer import AsyncProducer, DoneEvent, JobFailed, TokenEvent
+from exlq.producer import AsyncProducer, DoneEvent, JobFailed, TokenEvent
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,8 +21,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Any:
-    from worker.engines.exllamav2_engine import load_exllamav2_engine
-    from worker.settings import WorkerSettings
+    from exlq.worker.engines.exllamav2.engine import load_exllamav2_engine
+    from exlq.worker.settings import WorkerSettings
 
     settings = WorkerSettings(model=model_dir, max_batch_size=16, cache_tokens=16_384)
     loaded = load_exllamav2_engine(settings)
@@ -141,7 +141,7 @@ async def test_cancel_frees_the_slot_on_the_gpu(
 
 def _run_on_engine(engine: Any, requests: dict[str, Any]) -> dict[str, list[int]]:
     """The token ids each job made, straight on the engine (no queue)."""
-    from worker.engines.base import JobEnded, TokenChunk
+    from exlq.worker.engines.base import JobEnded, TokenChunk
 
     for job_id, request in requests.items():
         engine.add(job_id, request)
@@ -157,7 +157,7 @@ def _run_on_engine(engine: Any, requests: dict[str, Any]) -> dict[str, list[int]
 
 
 def test_input_ids_run_as_the_same_prompt_and_unseeded_jobs_draw_apart(engine: Any) -> None:
-    from producer.protocol import GenerationRequest
+    from exlq.protocol.models import GenerationRequest
 
     ids = engine.tokenizer.encode("Once upon a time", add_bos=True)[0].tolist()
     greedy = {"max_new_tokens": 12, "ignore_eos": True, "sampling": {"temperature": 0}}
@@ -199,7 +199,7 @@ def test_jobs_of_equal_sampling_share_settings_that_exllamav2_never_changes(
     import exllamav2.generator.dynamic as dynamic
     import exllamav2.generator.sampler as sampler
 
-    from producer.protocol import GenerationRequest
+    from exlq.protocol.models import GenerationRequest
 
     def settings(**sampling: Any) -> Any:
         return engine._sampler(GenerationRequest(prompt="x", sampling=sampling))
@@ -232,8 +232,8 @@ def test_a_packed_request_makes_the_same_tokens_and_ids_outside_the_vocabulary_f
     """What the engine process gets (a PackedRequest: ids in an int32 array) runs as the
     request it came from; an id past the vocabulary is refused in either form, also one
     too large for 32 or 64 bits, which crosses as it is."""
-    from producer.protocol import GenerationRequest, InvalidRequest
-    from worker.engines.engine_request import decode_request, encode_request
+    from exlq.protocol.models import GenerationRequest, InvalidRequest
+    from exlq.worker.engines.engine_request import decode_request, encode_request
 
     ids = engine.tokenizer.encode("Once upon a time", add_bos=True)[0].tolist()
     request = GenerationRequest(
@@ -260,7 +260,7 @@ def test_a_packed_request_makes_the_same_tokens_and_ids_outside_the_vocabulary_f
 def _run_burst(engine: Any, admit_in_wait: bool) -> dict[str, Any]:
     """12 jobs of 1,000-token prompts (slices of 8); b11 cancelled before its build, and
     b09's build made to fail. What each step started and ended, and what step 1 left."""
-    from worker.engines.base import JobEnded, TokenChunk
+    from exlq.worker.engines.base import JobEnded, TokenChunk
 
     generator = engine.generator
     for job_id, request in _distinct_prompts(engine, 12, 1000, "b").items():
@@ -313,7 +313,7 @@ def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
     step's wait for the GPU (prepare_next_step). A job cancelled before its build ends with
     no tokens; a build that fails ends its job alone, in the step that tried it; slices
     start in order; the tokens do not depend on where the jobs were built."""
-    from worker.engines.base import JobEnded, JobErrored
+    from exlq.worker.engines.base import JobEnded, JobErrored
 
     assert engine.admit_prompt_tokens == 8192  # the default: slices of 8 prompts of 1,000
     between = _run_burst(engine, admit_in_wait=False)
@@ -342,7 +342,7 @@ def test_a_burst_is_built_as_its_slices_start_in_order(engine: Any) -> None:
 def _distinct_prompts(engine: Any, count: int, tokens: int, prefix: str = "o") -> dict[str, Any]:
     """Greedy requests of distinct prompts, so no job reuses another's cached pages, under
     the ids {prefix}00, {prefix}01, ..."""
-    from producer.protocol import GenerationRequest
+    from exlq.protocol.models import GenerationRequest
 
     vocab = engine.model.config.vocab_size
     return {
@@ -357,7 +357,7 @@ def _distinct_prompts(engine: Any, count: int, tokens: int, prefix: str = "o") -
 
 
 def _step_until_idle(engine: Any) -> tuple[dict[str, list[int]], dict[str, Any]]:
-    from worker.engines.base import TokenChunk
+    from exlq.worker.engines.base import TokenChunk
 
     tokens: dict[str, list[int]] = {}
     ends: dict[str, Any] = {}
@@ -375,7 +375,7 @@ def test_jobs_built_ahead_of_their_start_run_as_jobs_added_after_it(engine: Any)
     the ones the first step would start (the admission budget's slice, one past it); only
     admitted jobs run, with the same tokens as added ones, in order; a job that cannot be
     built ahead is built again by its step and fails there, alone."""
-    from worker.engines.base import JobEnded, JobErrored
+    from exlq.worker.engines.base import JobEnded, JobErrored
 
     requests = _distinct_prompts(engine, 12, 1000)
     added = {job_id: request for job_id, request in requests.items() if job_id != "o05"}
@@ -430,7 +430,7 @@ def test_each_decode_step_runs_the_wait_work_once_and_the_tokens_stay(
 ) -> None:
     """The engine loop's report goes out in the decode step's wait for the GPU: the step
     runs that work once, whichever sampler its jobs take, and makes the same tokens."""
-    from producer.protocol import GenerationRequest
+    from exlq.protocol.models import GenerationRequest
 
     def requests() -> dict[str, Any]:
         return {

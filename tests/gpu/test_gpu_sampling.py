@@ -60,7 +60,7 @@ def test_distribution_matches_exllamav2s_sampler(
 ) -> None:
     import torch
 
-    from worker.kernels.sampling import sampling_probs
+    from exlq.worker.kernels.sampling import sampling_probs
 
     gen = torch.Generator().manual_seed(int(temperature * 100) + top_k)
     logits = (torch.randn((8, PADDED), generator=gen) * 4).half().cuda()
@@ -92,7 +92,7 @@ def test_distribution_matches_exllamav2s_sampler(
 def test_draw_is_the_inverse_cdf_and_greedy_takes_the_first_largest_logit(cuda: None) -> None:
     import torch
 
-    from worker.kernels.sampling import draw
+    from exlq.worker.kernels.sampling import draw
 
     logits = torch.tensor([[0.0, 2.0, -1.0, 2.0, 1.0, -30.0, 0.5, 0.1]], device="cuda")
     probs = torch.softmax(logits, -1)

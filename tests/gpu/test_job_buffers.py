@@ -1,4 +1,4 @@
-"""Held-output buffers on demand (worker/engines/exllamav2_job_buffers.py): exllamav2 makes
+"""Held-output buffers on demand (worker/engines/exllamav2/job_buffers.py): exllamav2 makes
 them where the hook expects, a job that never writes one never allocates it, a job's two
 buffers of prompt ids are made as exllamav2 makes them, and what jobs hold back and return
 is the same as with exllamav2's own buffers."""
@@ -44,7 +44,7 @@ def test_an_on_demand_buffer_has_seq_tensors_shape_and_grows_as_it_does(
     import torch
     from exllamav2.util import SeqTensor
 
-    from worker.engines.exllamav2_job_buffers import OnDemandSeqTensor
+    from exlq.worker.engines.exllamav2.job_buffers import OnDemandSeqTensor
 
     stock = SeqTensor(shape, torch.float, seq_dim, init_cap=init_cap)
     lazy = OnDemandSeqTensor(shape, torch.float, seq_dim, init_cap=init_cap)
@@ -93,7 +93,7 @@ def test_a_seq_tensor_from_ids_is_as_exllamav2_makes_it_and_grows_as_it_does(
     import torch
     from exllamav2.util import SeqTensor
 
-    from worker.engines.exllamav2_job_buffers import OnDemandSeqTensor
+    from exlq.worker.engines.exllamav2.job_buffers import OnDemandSeqTensor
 
     data = (torch.randint(0, 32_000, shape) if dtype == "long" else torch.randn(shape)).to(
         getattr(torch, dtype)
@@ -176,7 +176,7 @@ def test_held_output_is_the_same_with_buffers_on_demand(
     import exllamav2.generator.dynamic as dynamic
     from exllamav2.util import SeqTensor
 
-    from worker.engines.exllamav2_job_buffers import OnDemandSeqTensor
+    from exlq.worker.engines.exllamav2.job_buffers import OnDemandSeqTensor
 
     generator = make_generator(exlq=True)
     assert dynamic.SeqTensor is OnDemandSeqTensor, "exlq's generator installs the hook"

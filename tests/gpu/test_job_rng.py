@@ -1,4 +1,4 @@
-"""A job's generator seeded at its first draw (worker/engines/exllamav2_job_rng.py):
+"""A job's generator seeded at its first draw (worker/engines/exllamav2/job_rng.py):
 exllamav2 0.3.2 reads ``random`` where the hook replaces it and for nothing else, a job
 made after the hook holds an unseeded JobRandom, and seeded sampled jobs make the same
 tokens with it as with exllamav2's own generators."""
@@ -56,7 +56,7 @@ def test_seeded_jobs_make_the_same_tokens_with_generators_seeded_at_the_first_dr
     import torch
     from exllamav2.generator import ExLlamaV2DynamicJob
 
-    from worker.engines.exllamav2_job_rng import JobRandom
+    from exlq.worker.engines.exllamav2.job_rng import JobRandom
 
     generator = make_generator(exlq=True)
     made = ExLlamaV2DynamicJob(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=1, seed=3)

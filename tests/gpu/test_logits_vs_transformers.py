@@ -30,7 +30,7 @@ def exllamav2_logits(model_dir: Path, prompt: list[int]) -> tuple[list[int], obj
         ExLlamaV2Sampler,
     )
 
-    from worker.engines.exllamav2_attention import install_attention
+    from exlq.worker.engines.exllamav2.attention import install_attention
 
     assert install_attention("exlq") == "exlq"
     config = ExLlamaV2Config(str(model_dir))

@@ -1,4 +1,4 @@
-"""Triton paged attention (worker.kernels) against the float32 dense reference, flash-attn rules."""
+"""Triton paged attention (exlq.worker.kernels) against the float32 dense reference."""
 
 # On the GPU machine:   pytest -s -m gpu tests/gpu/test_paged_attention.py
 # On a CPU, tiny sizes: TRITON_INTERPRET=1 pytest -s -m gpu tests/gpu/test_paged_attention.py
@@ -223,8 +223,8 @@ def _kwargs(case: Case, inp: Inputs, k_pool: Any, v_pool: Any) -> dict[str, Any]
 
 
 def _run_case(case: Case, seed: int) -> float:
-    from worker.kernels.paged_attention import paged_attention_with_kvcache
-    from worker.kernels.reference import reference_attention_with_kvcache
+    from exlq.worker.kernels.paged_attention import paged_attention_with_kvcache
+    from exlq.worker.kernels.reference import reference_attention_with_kvcache
 
     inp = _make_inputs(case, seed)
     k_exp, v_exp = _expected_pools(case, inp)
@@ -255,7 +255,7 @@ def test_matches_reference(case: Case) -> None:
 
 
 def test_rows_without_visible_keys_are_zero() -> None:
-    from worker.kernels.paged_attention import paged_attention_with_kvcache
+    from exlq.worker.kernels.paged_attention import paged_attention_with_kvcache
 
     case = Case("no_keys", (3,), 8, 8, 2, 64, append=False, page_size=16)
     inp = _make_inputs(case, seed=5)
@@ -266,8 +266,8 @@ def test_rows_without_visible_keys_are_zero() -> None:
 
 
 def test_flash_attn_name_and_integer_seqlens() -> None:
-    from worker.kernels import paged_attention as pa
-    from worker.kernels.reference import reference_attention_with_kvcache
+    from exlq.worker.kernels import paged_attention as pa
+    from exlq.worker.kernels.reference import reference_attention_with_kvcache
 
     assert pa.flash_attn_with_kvcache is pa.paged_attention_with_kvcache
     case = Case("int_seqlens", (37, 37), 1, 8, 2, 64, page_size=16)
@@ -291,8 +291,8 @@ def test_right_padded_rows_store_only_their_own_tokens() -> None:
     """Batched prefill pads rows to the longest: with new_lens, each row's real tokens are
     attended to as if the row ran alone, and no padding token reaches the cache, even where
     the block table maps the padding onto a page another row owns."""
-    from worker.kernels.paged_attention import paged_attention_with_kvcache
-    from worker.kernels.reference import reference_attention_with_kvcache
+    from exlq.worker.kernels.paged_attention import paged_attention_with_kvcache
+    from exlq.worker.kernels.reference import reference_attention_with_kvcache
 
     page_size = 4 if INTERPRET else 16
     case = Case(
@@ -327,7 +327,7 @@ def test_right_padded_rows_store_only_their_own_tokens() -> None:
 
 
 def test_rejects_unsupported_arguments() -> None:
-    from worker.kernels.paged_attention import paged_attention_with_kvcache
+    from exlq.worker.kernels.paged_attention import paged_attention_with_kvcache
 
     case = Case("reject", (5,), 1, 8, 2, 64, page_size=16)
     inp = _make_inputs(case, seed=3)
@@ -348,7 +348,7 @@ def test_rejects_unsupported_arguments() -> None:
 def test_never_synchronises_with_host(
     q_len: int, seqlens: tuple[int, ...], num_splits: int
 ) -> None:
-    from worker.kernels.paged_attention import paged_attention_with_kvcache
+    from exlq.worker.kernels.paged_attention import paged_attention_with_kvcache
 
     case = Case("sync", seqlens, q_len, 32, 8, 128)
     inp = _make_inputs(case, seed=9)

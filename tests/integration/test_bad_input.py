@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producer import AsyncProducer
-from producer.keys import CONSUMER_GROUP, QueueKeys
-from producer.protocol import ErrorEvent, parse_event
+from exlq.producer import AsyncProducer
+from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
+from exlq.protocol.models import ErrorEvent, parse_event
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from bench.baselines import random_prompt_ids
 from bench.exlq_path import ExlqPath
 from bench.gpu_clocks import ClockRecorder
 from bench.placement import Placement
-from producer.submit_batch import SubmitBatcher
-from producer.subscriber import EventRouter
-from worker.runner import ACCEPT_PIECE
+from exlq.producer.submit_batch import SubmitBatcher
+from exlq.producer.subscriber import EventRouter
+from exlq.worker.runner import ACCEPT_PIECE
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import sdk_path
-from producer import submit_batch
+from exlq.producer import submit_batch
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producer import AsyncProducer, JobFailed, QueueFull, TokenEvent
-from producer.keys import QueueKeys
-from producer.protocol import DoneEvent, Timings, Usage
+from exlq.producer import AsyncProducer, JobFailed, QueueFull, TokenEvent
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import DoneEvent, Timings, Usage
 
 pytestmark = pytest.mark.integration
 

@@ -12,9 +12,9 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from producer import buffered_replies
-from producer.buffered_replies import NOTHING, BufferedRepliesParser, parser_kwargs
-from producer.subscriber import EventRouter, event_connection
+from exlq.producer import buffered_replies
+from exlq.producer.buffered_replies import NOTHING, BufferedRepliesParser, parser_kwargs
+from exlq.producer.subscriber import EventRouter, event_connection
 
 pytestmark = pytest.mark.integration
 

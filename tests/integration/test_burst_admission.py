@@ -12,13 +12,13 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer import AsyncProducer
-from producer.keys import QueueKeys
-from producer.protocol import GenerationRequest, JobResult
-from producer.submit_batch import EAGER_SEND
-from worker.broker import Broker, StreamEntry
-from worker.engines.base import EngineOutput
-from worker.engines.echo import EchoEngine
+from exlq.producer import AsyncProducer
+from exlq.producer.submit_batch import EAGER_SEND
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import GenerationRequest, JobResult
+from exlq.worker.broker import Broker, StreamEntry
+from exlq.worker.engines.base import EngineOutput
+from exlq.worker.engines.echo.engine import EchoEngine
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ def _log_reads_and_parses(
     (blocked or not) and how many entries it brought, each parse by prompt; ``by_id``: each
     read as "read sent", then each entry it brought and each parse by job id.
     ``after_read`` runs on each read's entries before the worker has them."""
-    from worker.runner import Worker
+    from exlq.worker.runner import Worker
 
     log: list[str] = []
     real_read, real_decode = Broker.read, Worker._decode
@@ -200,9 +200,9 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     --offer-before-start each piece is offered in parts as it is parsed, before its start
     script; the admit after the script names every offered job by id alone. With
     --admit-before-start that admit goes before the script, once the last part is out."""
-    from worker.engine_loop import EngineLoop
-    from worker.offer_round import OFFER_PART
-    from worker.runner import ACCEPT_PIECE
+    from exlq.worker.engine_loop import EngineLoop
+    from exlq.worker.offer_round import OFFER_PART
+    from exlq.worker.runner import ACCEPT_PIECE
 
     log: list[tuple[str, list[str]]] = []
     real_start, real_add = Broker.start_jobs, EngineLoop.add_many
@@ -281,7 +281,7 @@ async def test_a_full_piece_goes_to_the_engine_before_the_worker_reads_again(
 ) -> None:
     """A read that brings a whole piece does not wait on one more read for what landed
     behind it: the engine starts on the piece first, and the next read takes the rest."""
-    from worker.runner import ACCEPT_PIECE
+    from exlq.worker.runner import ACCEPT_PIECE
 
     log: list[tuple[str, int]] = []
     real_read, real_start = Broker.read, Broker.start_jobs
@@ -338,7 +338,7 @@ async def test_a_burst_that_says_more_follows_starts_in_one_engine_step(
     """The first entries of a burst say more follows (more=1). The worker offers them to the
     engine, then waits for the rest, which lands 50 ms later, and starts all five in one
     engine step."""
-    from worker.engine_loop import EngineLoop
+    from exlq.worker.engine_loop import EngineLoop
 
     keys = QueueKeys(queue_name)
     log: list[str] = []

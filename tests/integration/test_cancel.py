@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from producer import AsyncProducer, DoneEvent, TokenEvent
+from exlq.producer import AsyncProducer, DoneEvent, TokenEvent
 
 pytestmark = pytest.mark.integration
 

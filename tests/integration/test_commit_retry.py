@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer import AsyncProducer
-from producer.protocol import TokenEvent
+from exlq.producer import AsyncProducer
+from exlq.protocol.models import TokenEvent
 
 pytestmark = pytest.mark.integration
 

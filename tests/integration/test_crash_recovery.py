@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producer import AsyncProducer, DoneEvent, RequeuedEvent, TokenEvent
-from producer.keys import CONSUMER_GROUP, QueueKeys
+from exlq.producer import AsyncProducer, DoneEvent, RequeuedEvent, TokenEvent
+from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
+from exlq.worker.embedded_redis import RedisServer
 from tests.conftest import worker_process
-from worker.embedded_redis import RedisServer
 
 pytestmark = pytest.mark.integration
 

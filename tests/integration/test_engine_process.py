@@ -10,16 +10,16 @@ import threading
 
 import pytest
 
-from producer import AsyncProducer
-from producer.keys import QueueKeys
-from producer.protocol import GenerationRequest
-from worker.broker import Broker
-from worker.engine_loop import StepReport
-from worker.engine_process import EngineProcess
-from worker.engines.base import EngineSetup, JobEnded
-from worker.metrics import Metrics
-from worker.runner import EXIT_ENGINE_DEAD, Worker
-from worker.settings import WorkerSettings
+from exlq.producer import AsyncProducer
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import GenerationRequest
+from exlq.worker.broker import Broker
+from exlq.worker.engine_loop import StepReport
+from exlq.worker.engine_process import EngineProcess
+from exlq.worker.engines.base import EngineSetup, JobEnded
+from exlq.worker.metrics import Metrics
+from exlq.worker.runner import EXIT_ENGINE_DEAD, Worker
+from exlq.worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.integration
 

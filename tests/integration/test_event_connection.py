@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import AsyncProducer, subscriber
-from producer.keys import QueueKeys
-from producer.subscriber import EventRouter
+from exlq.producer import AsyncProducer, subscriber
+from exlq.producer.subscriber import EventRouter
+from exlq.protocol.keys import QueueKeys
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from producer.keys import CONSUMER_GROUP, QueueKeys, check_name
-from producer.protocol import GenerationRequest, InvalidRequest, parse_event, parse_request
+from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys, check_name
+from exlq.protocol.models import GenerationRequest, InvalidRequest, parse_event, parse_request
+from exlq.worker.limits import RequestLimits
 from tests.conftest import RunningWorker
-from worker.limits import RequestLimits
 
 pytestmark = pytest.mark.integration
 

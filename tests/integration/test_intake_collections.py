@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from producer import AsyncProducer
-from worker.broker import Broker, StartDecision
-from worker.engines.echo import EchoEngine
+from exlq.producer import AsyncProducer
+from exlq.worker.broker import Broker, StartDecision
+from exlq.worker.engines.echo.engine import EchoEngine
 
 pytestmark = pytest.mark.integration
 

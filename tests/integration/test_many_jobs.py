@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producer import AsyncProducer, DoneEvent, TokenEvent
-from producer.keys import CONSUMER_GROUP, QueueKeys
+from exlq.producer import AsyncProducer, DoneEvent, TokenEvent
+from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
 
 pytestmark = pytest.mark.integration
 

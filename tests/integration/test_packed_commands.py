@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from producer import AsyncProducer, command_packing
+from exlq.producer import AsyncProducer
+from exlq.protocol import command_packing
 
 pytestmark = pytest.mark.integration
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from producer.protocol import DoneEvent, GenerationRequest, TokenEvent, parse_event
-from worker.embedded_redis import RedisServer, find_redis_server
-from worker.engines.echo import echo_text
+from exlq.protocol.models import DoneEvent, GenerationRequest, TokenEvent, parse_event
+from exlq.worker.embedded_redis import RedisServer, find_redis_server
+from exlq.worker.engines.echo.engine import echo_text
 
 pytestmark = pytest.mark.integration
 

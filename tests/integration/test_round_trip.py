@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from producer import AsyncProducer, DoneEvent, Producer, TokenEvent
-from producer.protocol import GenerationRequest, JobResult, Timings, Usage
-from worker.engines.echo import echo_text
+from exlq.producer import AsyncProducer, DoneEvent, Producer, TokenEvent
+from exlq.protocol.models import GenerationRequest, JobResult, Timings, Usage
+from exlq.worker.engines.echo.engine import echo_text
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +111,7 @@ async def test_a_stream_whose_events_never_come_ends_from_the_stored_result(
 ) -> None:
     # The worker's events were lost (say the pub/sub connection dropped unnoticed) but its
     # result was stored: after RESULT_POLL_S of quiet the handle reads the result.
-    monkeypatch.setattr("producer.client.RESULT_POLL_S", 0.2)
+    monkeypatch.setattr("exlq.producer.client.RESULT_POLL_S", 0.2)
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         handle = await producer.submit("lost events", max_new_tokens=2)
         stored = JobResult(

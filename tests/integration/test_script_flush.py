@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producer import AsyncProducer
-from producer.keys import QueueKeys
+from exlq.producer import AsyncProducer
+from exlq.protocol.keys import QueueKeys
 
 pytestmark = pytest.mark.integration
 

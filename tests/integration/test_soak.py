@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producer import AsyncProducer
-from producer.keys import CONSUMER_GROUP, QueueKeys
+from exlq.producer import AsyncProducer
+from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
 from tests.conftest import worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

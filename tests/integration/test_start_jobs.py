@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producer import AsyncProducer
-from producer.keys import QueueKeys
-from worker.broker import Broker
+from exlq.producer import AsyncProducer
+from exlq.protocol.keys import QueueKeys
+from exlq.worker.broker import Broker
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,10 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from producer import AsyncProducer, JobHandle, QueueFull
-from producer.keys import QueueKeys
-from producer.submit_batch import EAGER_SEND, FIRST_PIECE_JOBS, PIECE_JOBS, SubmitBatcher
-from producer.subscriber import EventRouter
+from exlq.producer import AsyncProducer, JobHandle, QueueFull
+from exlq.producer.submit_batch import EAGER_SEND, FIRST_PIECE_JOBS, PIECE_JOBS, SubmitBatcher
+from exlq.producer.subscriber import EventRouter
+from exlq.protocol.keys import QueueKeys
 
 pytestmark = pytest.mark.integration
 

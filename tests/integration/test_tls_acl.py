@@ -14,8 +14,8 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from producer import AsyncProducer
-from producer.protocol import TokenEvent
+from exlq.producer import AsyncProducer
+from exlq.protocol.models import TokenEvent
 from tests.tls_redis import (
     AclUser,
     TlsRedisServer,

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producer import AsyncProducer
-from producer.keys import CONSUMER_GROUP, QueueKeys
-from producer.protocol import DoneEvent, GenerationRequest, TokenEvent
-from worker.broker import Broker
-from worker.engines.echo import EchoEngine
+from exlq.producer import AsyncProducer
+from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
+from exlq.protocol.models import DoneEvent, GenerationRequest, TokenEvent
+from exlq.worker.broker import Broker
+from exlq.worker.engines.echo.engine import EchoEngine
 
 pytestmark = pytest.mark.integration
 

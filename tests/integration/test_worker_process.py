@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from producer import AsyncProducer, DoneEvent, TokenEvent
+from exlq.producer import AsyncProducer, DoneEvent, TokenEvent
+from exlq.worker.embedded_redis import free_port
 from tests.conftest import ROOT, worker_process
-from worker.embedded_redis import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +76,7 @@ def test_bad_setting_is_refused_with_its_name() -> None:
         [
             sys.executable,
             "-m",
-            "producer.cli",
+            "exlq",
             "worker",
             "--engine",
             "echo",
@@ -99,7 +99,7 @@ def test_cli_submit_prints_the_result(redis_url: str, queue_name: str) -> None:
             [
                 sys.executable,
                 "-m",
-                "producer.cli",
+                "exlq",
                 "submit",
                 "cli words",
                 "--queue",
@@ -120,7 +120,7 @@ def test_cli_submit_prints_the_result(redis_url: str, queue_name: str) -> None:
             [
                 sys.executable,
                 "-m",
-                "producer.cli",
+                "exlq",
                 "submit",
                 "cli words",
                 "--queue",
@@ -153,7 +153,7 @@ def test_up_starts_its_own_redis_and_a_worker(tmp_path: Any) -> None:
         [
             sys.executable,
             "-m",
-            "producer.cli",
+            "exlq",
             "up",
             "--engine",
             "echo",
@@ -179,7 +179,7 @@ def test_up_starts_its_own_redis_and_a_worker(tmp_path: Any) -> None:
             [
                 sys.executable,
                 "-m",
-                "producer.cli",
+                "exlq",
                 "submit",
                 "up works",
                 "--queue",

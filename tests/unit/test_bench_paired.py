@@ -230,7 +230,7 @@ def test_the_worker_switches_the_bench_passes_are_flags_the_worker_takes() -> No
     from typer.testing import CliRunner
 
     from bench.exlq_path import WORKER_SWITCHES, ExlqPath
-    from producer.cli import app
+    from exlq.cli import app
 
     worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
     for on in (True, False):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.engines.build_queue import BuildQueue
-from worker.engines.prefill_plan import jobs_to_start
+from exlq.worker.engines.exllamav2.build_queue import BuildQueue
+from exlq.worker.engines.exllamav2.prefill_plan import jobs_to_start
 
 
 def _queue(prompts: list[int]) -> BuildQueue[int]:

@@ -12,7 +12,7 @@ from redis.asyncio.connection import (
 from redis.exceptions import DataError
 from redis.typing import EncodableT
 
-from producer.command_packing import packed_in_c
+from exlq.protocol.command_packing import packed_in_c
 
 COMMANDS: list[tuple[EncodableT, ...]] = [
     ("SET", "key", "plain"),

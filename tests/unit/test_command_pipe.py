@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from producer.protocol import GenerationRequest
+from exlq.protocol.models import GenerationRequest
+from exlq.worker.command_pipe import PIPE_BYTES, FrameReader, FrameWriter, encode_frame, widen_pipe
+from exlq.worker.engine_loop import Admit, Cancel, EngineLoop, Offer, StepReport, Stop
+from exlq.worker.engine_process import command_from, command_source
+from exlq.worker.engines.base import JobEnded
+from exlq.worker.engines.echo.engine import EchoEngine
+from exlq.worker.engines.engine_request import encode_request
 from tests.engine_reports import collect_ends
-from worker.command_pipe import PIPE_BYTES, FrameReader, FrameWriter, encode_frame, widen_pipe
-from worker.engine_loop import Admit, Cancel, EngineLoop, Offer, StepReport, Stop
-from worker.engine_process import command_from, command_source
-from worker.engines.base import JobEnded
-from worker.engines.echo import EchoEngine
-from worker.engines.engine_request import encode_request
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from worker.engines import exllamav2_graphs
+from exlq.worker.engines.exllamav2 import graphs as exllamav2_graphs
 
 
 class _Generator:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engines.exllamav2_graphs import (
+from exlq.worker.engines.exllamav2.graphs import (
     _PAD_GAIN,
     DecodeGraphs,
     choose_padding,

@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 from prometheus_client import generate_latest
 
-from worker.engines.base import EngineSetup
-from worker.metrics import Metrics
+from exlq.worker.engines.base import EngineSetup
+from exlq.worker.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 _METRIC = re.compile(r"\bexlq_[a-z_]+")

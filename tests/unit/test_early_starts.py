@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from worker.early_starts import EarlyStarts
-from worker.engine_loop import StepReport
-from worker.engines.base import CacheUsage, JobEnded, JobErrored, TokenChunk
+from exlq.worker.early_starts import EarlyStarts
+from exlq.worker.engine_loop import StepReport
+from exlq.worker.engines.base import CacheUsage, JobEnded, JobErrored, TokenChunk
 
 
 class CancelRecorder:

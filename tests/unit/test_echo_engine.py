@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from producer.protocol import ChatMessage, GenerationRequest
-from worker.engines.base import JobEnded, TokenChunk
-from worker.engines.echo import EchoEngine, echo_text
+from exlq.protocol.models import ChatMessage, GenerationRequest
+from exlq.worker.engines.base import JobEnded, TokenChunk
+from exlq.worker.engines.echo.engine import EchoEngine, echo_text
 
 
 def _run(engine: EchoEngine) -> list[object]:

@@ -6,10 +6,9 @@ import queue
 import threading
 from collections.abc import Callable
 
-from producer.protocol import GenerationRequest, InvalidRequest
-from tests.engine_reports import collect_ends
-from worker.engine_loop import EngineLoop, StepReport
-from worker.engines.base import (
+from exlq.protocol.models import GenerationRequest, InvalidRequest
+from exlq.worker.engine_loop import EngineLoop, StepReport
+from exlq.worker.engines.base import (
     CacheUsage,
     EngineDead,
     EngineOutput,
@@ -17,7 +16,8 @@ from worker.engines.base import (
     JobErrored,
     TokenChunk,
 )
-from worker.engines.echo import EchoEngine
+from exlq.worker.engines.echo.engine import EchoEngine
+from tests.engine_reports import collect_ends
 
 
 class FlakyEngine(EchoEngine):

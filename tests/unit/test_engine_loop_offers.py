@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from producer.protocol import GenerationRequest, InvalidRequest
+from exlq.protocol.models import GenerationRequest, InvalidRequest
+from exlq.worker.engine_loop import EngineLoop, StepReport
+from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored
+from exlq.worker.engines.echo.engine import EchoEngine
+from exlq.worker.offer_round import OFFER_PART, OfferRound
 from tests.engine_reports import collect_ends
-from worker.engine_loop import EngineLoop, StepReport
-from worker.engines.base import EngineOutput, JobEnded, JobErrored
-from worker.engines.echo import EchoEngine
-from worker.offer_round import OFFER_PART, OfferRound
 
 
 class OfferEngine(EchoEngine):

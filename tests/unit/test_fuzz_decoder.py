@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from producer.keys import NAME_PATTERN, check_name
-from producer.protocol import (
+from exlq.protocol.keys import NAME_PATTERN, check_name
+from exlq.protocol.models import (
     MAX_NEW_TOKENS_LIMIT,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,

@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 
-from producer.protocol import GenerationRequest
-from tests.engine_reports import collect_ends
-from worker.engine_loop import HELD_STEPS_MAX, EngineLoop, StepReport
-from worker.engines.base import EngineOutput, JobEnded
-from worker.engines.echo import EchoEngine
-from worker.engines.engine_request import EngineRequest
-from worker.gc_pauses import (
+from exlq.protocol.models import GenerationRequest
+from exlq.worker.engine_loop import HELD_STEPS_MAX, EngineLoop, StepReport
+from exlq.worker.engines.base import EngineOutput, JobEnded
+from exlq.worker.engines.echo.engine import EchoEngine
+from exlq.worker.engines.engine_request import EngineRequest
+from exlq.worker.gc_pauses import (
     HeldCollections,
     collections_deferred,
     due_generation,
     freeze_startup_heap,
 )
+from tests.engine_reports import collect_ends
 
 
 class _Node:

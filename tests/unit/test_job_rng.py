@@ -1,4 +1,4 @@
-"""JobRandom (worker/engines/exllamav2_job_rng.py): a job's generator seeded at its first
+"""JobRandom (worker/engines/exllamav2/job_rng.py): a job's generator seeded at its first
 draw gives the draws random.Random(seed) gives, and is not seeded before."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from worker.engines.exllamav2_job_rng import JobRandom
+from exlq.worker.engines.exllamav2.job_rng import JobRandom
 
 
 @pytest.mark.parametrize("seed", [0, 7, 2**63 - 1, 2**64 + 5])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.metrics import Metrics
+from exlq.worker.metrics import Metrics
 
 PER_QUEUE = [
     "exlq_jobs_received_total",

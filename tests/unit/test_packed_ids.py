@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from producer.client import _with_packed_ids, build_request
-from producer.packed_ids import PackedIds
-from producer.protocol import GenerationRequest, InvalidRequest, json_schemas, parse_request
-from worker.limits import RequestLimits
+from exlq.producer.client import _with_packed_ids, build_request
+from exlq.protocol.models import GenerationRequest, InvalidRequest, json_schemas, parse_request
+from exlq.protocol.packed_ids import PackedIds
+from exlq.worker.limits import RequestLimits
 
 IDS = [0, 1, 255, 256, 31_999, 128_255, 2**31, 2**32 - 1]
 

@@ -1,4 +1,4 @@
-"""The prefill's narrowed page search (worker/engines/exllamav2_page_search.py) takes what
+"""The prefill's narrowed page search (worker/engines/exllamav2/page_search.py) takes what
 exllamav2 0.3.2's search of every page takes. Pages and prompts here hold their tokens as
 lists; the module's two tensor reads are swapped for list reads. tests/gpu/test_page_search.py
 checks it on exllamav2's own generator and pins the search it narrows."""
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from worker.engines import exllamav2_page_search
-from worker.engines.exllamav2_page_search import PageSearch, narrowed_page_search
+from exlq.worker.engines.exllamav2 import page_search as exllamav2_page_search
+from exlq.worker.engines.exllamav2.page_search import PageSearch, narrowed_page_search
 
 PAGE = 4  # tokens a page
 

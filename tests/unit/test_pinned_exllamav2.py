@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from worker.engines import exllamav2_attention
-from worker.engines.exllamav2_attention import PINNED_EXLLAMAV2, on_pinned_exllamav2
+from exlq.worker.engines.exllamav2 import attention as exllamav2_attention
+from exlq.worker.engines.exllamav2.attention import PINNED_EXLLAMAV2, on_pinned_exllamav2
 
 
 def test_the_pinned_version_is_on_without_a_word(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from worker.engines.prefill_plan import Chunk, group_chunks, jobs_to_start
+from exlq.worker.engines.exllamav2.prefill_plan import Chunk, group_chunks, jobs_to_start
 
 
 def _lengths(chunks: list[Chunk], groups: list[list[int]]) -> list[list[int]]:

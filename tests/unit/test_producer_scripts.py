@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 import fakeredis
 import pytest
 
-from producer import AsyncProducer, QueueFull
-from producer.keys import QueueKeys
-from producer.protocol import DoneEvent, Timings, Usage
+from exlq.producer import AsyncProducer, QueueFull
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import DoneEvent, Timings, Usage
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producer.keys import QueueKeys
-from producer.protocol import (
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import (
     EVENT_ADAPTER,
     DoneEvent,
     GenerationRequest,

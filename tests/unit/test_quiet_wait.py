@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from producer.quiet_wait import QuietWait
+from exlq.producer.quiet_wait import QuietWait
 
 
 async def test_an_event_waiting_in_the_queue_comes_at_once() -> None:

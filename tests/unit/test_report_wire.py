@@ -5,10 +5,10 @@ from __future__ import annotations
 import pickle
 from dataclasses import fields
 
-from producer.protocol import TokenChoices, TokenLogprob
-from worker.engine_loop import StepReport
-from worker.engine_process import decode_report, encode_report
-from worker.engines.base import CacheUsage, JobEnded, JobErrored, TokenChunk
+from exlq.protocol.models import TokenChoices, TokenLogprob
+from exlq.worker.engine_loop import StepReport
+from exlq.worker.engine_process import decode_report, encode_report
+from exlq.worker.engines.base import CacheUsage, JobEnded, JobErrored, TokenChunk
 
 
 def test_every_kind_of_output_survives_the_pipe() -> None:

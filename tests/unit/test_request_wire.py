@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from producer.packed_ids import PackedIds
-from producer.protocol import GenerationRequest, Sampling
-from worker.engine_process import EngineProcess
-from worker.engines.echo import EchoEngine, echo_text
-from worker.engines.engine_request import (
+from exlq.protocol.models import GenerationRequest, Sampling
+from exlq.protocol.packed_ids import PackedIds
+from exlq.worker.engine_process import EngineProcess
+from exlq.worker.engines.echo.engine import EchoEngine, echo_text
+from exlq.worker.engines.engine_request import (
     EngineRequest,
     PackedRequest,
     PackedSampling,
@@ -25,7 +25,7 @@ from worker.engines.engine_request import (
     pack_ids,
     sampling_settings,
 )
-from worker.settings import WorkerSettings
+from exlq.worker.settings import WorkerSettings
 
 # What an engine may read of a request (the members of EngineRequest and SamplingFields).
 REQUEST_FIELDS = [
@@ -204,7 +204,7 @@ def test_the_engine_process_sends_requests_encoded() -> None:
 
 def test_the_engines_sampler_settings_take_the_sampling_fields_in_their_order() -> None:
     # exllamav2's settings are made (and shared) from sampling_settings(), positionally.
-    from worker.engines.exllamav2_engine import sampler_settings
+    from exlq.worker.engines.exllamav2.engine import sampler_settings
 
     names = list(inspect.signature(sampler_settings).parameters)
     assert names == list(PackedSampling._fields[:-1]) and PackedSampling._fields[-1] == "seed"

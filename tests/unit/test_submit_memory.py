@@ -12,9 +12,9 @@ from typing import Any
 import fakeredis
 import pytest
 
-from producer import AsyncProducer, client
-from producer.protocol import GenerationRequest
-from producer.submit_batch import SubmitBatcher, Submitted
+from exlq.producer import AsyncProducer, client
+from exlq.producer.submit_batch import SubmitBatcher, Submitted
+from exlq.protocol.models import GenerationRequest
 
 
 @pytest.fixture

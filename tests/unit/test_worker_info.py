@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from worker.engine_loop import EngineLoop
-from worker.engines.base import EngineSetup
-from worker.engines.echo import EchoEngine
-from worker.metrics import Metrics
+from exlq.worker.engine_loop import EngineLoop
+from exlq.worker.engines.base import EngineSetup
+from exlq.worker.engines.echo.engine import EchoEngine
+from exlq.worker.metrics import Metrics
 
 
 def test_worker_info_carries_the_engine_setup() -> None:

@@ -6,8 +6,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from producer.cli import app
-from worker.cli import load_settings
+from exlq.cli import app
+from exlq.worker.cli import load_settings
 
 
 def test_cuda_graphs_gpu_sampling_gpu_embedding_and_the_wait_work_default_on() -> None:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from worker.engines.base import Engine, EngineUnavailable
-from worker.settings import WorkerSettings
+from exlq.worker.engines.base import Engine, EngineUnavailable
+from exlq.worker.settings import WorkerSettings
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
     if settings.engine == "echo":
-        from worker.engines.echo import EchoEngine
+        from exlq.worker.engines.echo.engine import EchoEngine
 
         return EchoEngine(settings.max_batch_size, settings.echo_tokens_per_second)
     if settings.engine == "exllamav2":
-        from worker.engines.exllamav2_engine import load_exllamav2_engine
+        from exlq.worker.engines.exllamav2.engine import load_exllamav2_engine
 
         return load_exllamav2_engine(settings)
     raise EngineUnavailable(f"unknown engine {settings.engine!r}: use exllamav2 or echo")

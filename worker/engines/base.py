@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from producer.protocol import FinishReason, TokenChoices
-from worker.engines.engine_request import EngineRequest
+from exlq.protocol.models import FinishReason, TokenChoices
+from exlq.worker.engines.engine_request import EngineRequest
 
 
 # The outputs are made for every job at every step, on the engine thread, and made again on

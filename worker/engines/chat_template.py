@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from producer.protocol import ChatMessage
+from exlq.protocol.models import ChatMessage
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from producer.protocol import ChatMessage, ChatRole
+from exlq.protocol.models import ChatMessage, ChatRole
 
 
 class SamplingFields(Protocol):
-    """The sampling settings an engine reads (producer.protocol.Sampling has them all)."""
+    """The sampling settings an engine reads (exlq.protocol.models.Sampling has them all)."""
 
     @property
     def temperature(self) -> float: ...

@@ -17,7 +17,7 @@ top_k 1 is argmax (first index of the largest logit) with probability 1, as exll
 The draw walks tokens in vocabulary order where exllamav2 walks its candidate list; both
 draw each token with its probability, so the same u may pick another token than exllamav2
 would. Settings this module does not implement (top_p, typical, penalties, ...) stay with
-exllamav2's sampler: see worker/engines/exllamav2_generator.py.
+exllamav2's sampler: see worker/engines/exllamav2/generator.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,405 @@
+"""exllamav2's dynamic generator with two of its hot spots replaced: the sampling of the
+decode step, and the one-job-at-a-time prefill.
+
+ExLlamaV2DynamicGenerator.iterate_gen copies the whole step's logits to the host and samples
+every job on the CPU, one after another, while the GPU idles: at 64 jobs that was a third of
+the step (docs/PERFORMANCE.md). With gpu_sampling, ExlqDynamicGenerator overrides iterate_gen
+for the plain (no draft model) decode step: jobs whose sampling worker/kernels/sampling.py
+implements are sampled there in one batch, the rest exactly as exllamav2 does, and every job
+then goes through exllamav2's own receive_sample (stop conditions, held text, page hashing).
+Otherwise the method does what exllamav2 0.3.2's iterate_gen does, step for step, except
+that jobs on the CPU path are sampled on the calling thread (exllamav2's sampling-thread pool
+measured no faster), and that jobs entering decode are not stamped through a GPU sync each.
+tests/gpu/test_gpu_sampling.py checks the hook points and that greedy output does not
+change.
+
+With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
+exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job. In that loop a
+prefill's search for a partially matching page walks only the pages that could match
+(exllamav2_page_search.py), where exllamav2 walks every page of the cache for every job.
+
+A decode step runs its wait_work (Engine.set_wait_work), if set, once its forward pass and
+sampling are queued on the GPU and before it waits for the sampled tokens: the engine loop
+sends the previous step's report there, while the GPU works.
+
+With admit_prompt_tokens > 0 a step starts only as many waiting jobs as hold that many
+prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts every one that
+fits: a burst starts in slices, and its first jobs decode while the rest prefill.
+
+Making exlq's generator also gives every job queued afterwards its held-output buffers on
+first use (exllamav2_job_buffers.py), and every job made afterwards a random generator
+seeded at its first draw (exllamav2_job_rng.py): a job's build, on the way to a burst's
+first token, no longer allocates five buffers it mostly never writes, nor seeds a
+generator before the GPU runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from exllamav2.ext import none_tensor
+from exllamav2.generator import ExLlamaV2DynamicGenerator
+
+from exlq.worker.engines.exllamav2.attention import on_pinned_exllamav2, padding_supported
+from exlq.worker.engines.exllamav2.job_buffers import install_on_demand_buffers
+from exlq.worker.engines.exllamav2.job_rng import install_job_rng
+from exlq.worker.engines.exllamav2.page_search import narrowed_page_search
+from exlq.worker.engines.exllamav2.prefill import PrefillBatcher
+from exlq.worker.engines.exllamav2.prefill_plan import jobs_to_start
+from exlq.worker.kernels.paged_attention import TILE_CLASS_ROWS
+from exlq.worker.kernels.sampling import sample_rows
+
+# ExLlamaV2DynamicGenerator asserts max_batch_size * max_q_size (8) rows fit the scratch.
+_DECODE_ROWS_PER_JOB = 8
+
+
+def size_model_config(config: Any, max_batch: int, prefill_batch_tokens: int) -> None:
+    """Make the model's scratch (config.max_input_len x config.max_batch_size rows, allocated
+    at load) hold what the generator will run: max_batch jobs' decode rows, and batched
+    prefill passes of prefill_batch_tokens."""
+    rows = max(max_batch * _DECODE_ROWS_PER_JOB, prefill_batch_tokens)
+    config.max_batch_size = max(config.max_batch_size, math.ceil(rows / config.max_input_len))
+
+
+def make_dynamic_generator(
+    *, gpu_sampling: bool, prefill_batch_tokens: int, admit_prompt_tokens: int = 0, **kwargs: Any
+) -> Any:
+    """ExlqDynamicGenerator where one of its levers is asked for and the installed exllamav2
+    is the version it is written for; exllamav2's own generator otherwise. kwargs go to the
+    generator (model, cache, tokenizer, max_batch_size, ...)."""
+    if not gpu_sampling and prefill_batch_tokens <= 0 and admit_prompt_tokens <= 0:
+        return ExLlamaV2DynamicGenerator(**kwargs)
+    if not on_pinned_exllamav2("GPU sampling, batched prefill and the admission budget off"):
+        return ExLlamaV2DynamicGenerator(**kwargs)
+    install_on_demand_buffers()
+    install_job_rng()
+    return ExlqDynamicGenerator(
+        gpu_sampling=gpu_sampling,
+        prefill_batch_tokens=prefill_batch_tokens,
+        admit_prompt_tokens=admit_prompt_tokens,
+        **kwargs,
+    )
+
+
+def gpu_sampleable(job: Any) -> bool:
+    """True when this step of `job` needs nothing but temperature, top_k and min_p."""
+    s = job.gen_settings
+    blocked = (job.checkpoint and job.checkpoint["offset"] == 0) or (
+        job.new_tokens < job.min_new_tokens
+    )
+    return (
+        job.new_tokens >= 0  # token healing samples from a prefix-restricted set
+        and not blocked
+        and not job.filters
+        and len(job.sequences) == 1  # CFG runs two
+        and not job.return_logits
+        and not job.return_top_tokens
+        and s.cfg_scale is None
+        and s.token_repetition_penalty == 1.0
+        and s.token_frequency_penalty == 0.0
+        and s.token_presence_penalty == 0.0
+        and s.token_bias is None
+        and s.dry_multiplier == 0.0
+        and s.xtc_probability == 0.0
+        and not s.mirostat
+        and not s.post_sampling_hooks
+        and not s.temperature_last
+        and s.smoothing_factor == 0.0
+        and s.skew == 0.0
+        and not s.max_temp > s.min_temp
+        and s.top_a == 0.0
+        and not 0.0 < s.top_p < 1.0
+        and not 0.0 < s.tfs < 1.0
+        and not 0.0 < s.typical < 1.0
+    )
+
+
+def prompt_tokens(job: Any) -> int:
+    """The prompt tokens of an exllamav2 job, as the admission budget counts them."""
+    return sum(len(seq.input_ids) for seq in job.sequences)
+
+
+def ready_job(generator: Any, job: Any) -> None:
+    """What exllamav2 0.3.2's enqueue() does to a job before it queues it (the prompt's page
+    hashes, the check that it fits the cache, the buffers for held-back text), done ahead of
+    its start: enqueue_ready() then only queues it. The serial number given here is a
+    placeholder; enqueue_ready() gives the real one. Raises as enqueue() would."""
+    job.prepare_for_queue(generator, generator.job_serial)
+
+
+def enqueue_ready(generator: Any, job: Any) -> None:
+    """The rest of exllamav2 0.3.2's enqueue() for a job ready_job() prepared: its serial
+    number, its place in the queue and its enqueue time."""
+    job.serial_number = generator.job_serial
+    generator.job_serial += 1
+    generator.pending_jobs.append(job)
+    job.time_enqueue = time.time()
+
+
+class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
+    """ExLlamaV2DynamicGenerator whose decode step samples eligible jobs on the GPU
+    (gpu_sampling), whose prefill passes run batched (prefill_batch_tokens > 0: the most
+    tokens, padding included, one batched pass takes), and whose steps each start jobs of at
+    most admit_prompt_tokens prompt tokens together (0: every job that fits)."""
+
+    logits_pinned: Any
+    pending_jobs: list[Any]
+
+    def __init__(
+        self,
+        *args: Any,
+        gpu_sampling: bool = True,
+        prefill_batch_tokens: int = 0,
+        admit_prompt_tokens: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.admit_prompt_tokens = admit_prompt_tokens
+        self.gpu_sampling = gpu_sampling
+        self.gpu_sampled = 0
+        self.cpu_sampled = 0
+        # Run while a decode step waits for the GPU (Engine.set_wait_work), if set.
+        self.wait_work: Callable[[], None] | None = None
+        if gpu_sampling:
+            # exllamav2 allocates this buffer in pageable memory despite its name, and the
+            # copy of a step's logits into it took 1.1 ms at 64 jobs; pinned, the GPU writes
+            # it directly.
+            shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
+            self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
+        # The prefill loop's search for a partially matching page looks only at pages that
+        # could match (exllamav2_page_search.py); False searches every page, as exllamav2 does.
+        self.narrow_page_search = True
+        self.prefill_batcher: PrefillBatcher | None = None
+        if prefill_batch_tokens > 0 and self.paged:
+            config = self.model.config
+            scratch_rows = config.max_input_len * config.max_batch_size
+            self.prefill_batcher = PrefillBatcher(
+                self, min(prefill_batch_tokens, scratch_rows), padding_supported()
+            )
+
+    def iterate_start_jobs(self, results: list[Any]) -> None:
+        """exllamav2's, offered only the waiting jobs that fit this step's prompt budget; the
+        rest wait, in their order, for the next step."""
+        waiting = self.pending_jobs
+        if self.admit_prompt_tokens <= 0 or not waiting:
+            super().iterate_start_jobs(results)
+            return
+        offered = jobs_to_start((prompt_tokens(job) for job in waiting), self.admit_prompt_tokens)
+        self.pending_jobs = waiting[:offered]
+        try:
+            super().iterate_start_jobs(results)
+        finally:
+            # exllamav2 removed from the offered list the jobs it started.
+            self.pending_jobs = self.pending_jobs + waiting[offered:]
+
+    def warm_up_prefill(self) -> float:
+        """Compile the attention kernel's prefill variants now rather than in the middle of
+        serving (measured: over a second of compiles in a 128-job burst, and 1.3 s in the
+        first pass of two prompts of one length). For each tile class: one job alone, two
+        jobs of one length in one unpadded pass, then, where rows may be padded, two jobs
+        of unequal length in one padded pass. Returns the seconds it took."""
+        batcher = self.prefill_batcher
+        if batcher is None:
+            return 0.0
+        config = self.model.config
+        group = config.num_attention_heads // config.num_key_value_heads
+        tokens = torch.Generator().manual_seed(0)
+        started = time.perf_counter()
+        # The jobs of one pass must start in one step, whatever the admission budget.
+        budget, self.admit_prompt_tokens = self.admit_prompt_tokens, 0
+        try:
+            self._warm_up_tile_classes(batcher, group, tokens)
+        finally:
+            self.admit_prompt_tokens = budget
+        return time.perf_counter() - started
+
+    def _warm_up_tile_classes(self, batcher: PrefillBatcher, group: int, tokens: Any) -> None:
+        for rows in TILE_CLASS_ROWS:
+            longest = min(max(2, -(-rows // group)), self.max_chunk_size)
+            self._run_prompts([longest + 1], tokens)
+            if 2 * longest > batcher.budget_tokens:
+                continue
+            self._run_prompts([longest + 1, longest + 1], tokens)
+            if batcher.padding:
+                self._run_prompts([longest + 1, (longest + 1) // 2 + 1], tokens)
+
+    def _run_prompts(self, lengths: list[int], tokens: Any) -> None:
+        """Random prompts of these lengths, one new token each, admitted together."""
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        vocab = self.model.config.vocab_size
+        self.enqueue(
+            [
+                ExLlamaV2DynamicJob(
+                    input_ids=torch.randint(1, vocab, (1, n), generator=tokens),
+                    max_new_tokens=1,
+                    stop_conditions=[],
+                    gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                )
+                for n in lengths
+            ]
+        )
+        while self.num_remaining_jobs():
+            self.iterate()
+
+    def iterate(self) -> list[Any]:
+        batcher = self.prefill_batcher
+        if batcher is None or self.draft_model or self.use_ngram_draft:
+            return super().iterate()  # type: ignore[no-any-return]
+        # exllamav2 0.3.2's iterate() without a draft model, its prefill loop batched.
+        results: list[Any] = []
+        with torch.inference_mode():
+            self.iterate_start_jobs(results)
+            with batcher.deferring(), self._page_search():
+                for job in self.active_jobs:
+                    job.prefill(results)
+            self.iterate_gen(results)
+        return results
+
+    def _page_search(self) -> contextlib.AbstractContextManager[None]:
+        if self.narrow_page_search:
+            return narrowed_page_search(self)
+        return contextlib.nullcontext()
+
+    def iterate_gen(self, results: list[Any], draft_tokens: Any = None) -> None:
+        if draft_tokens is not None or not self.gpu_sampling:
+            super().iterate_gen(results, draft_tokens)
+            return
+        jobs = [job for job in self.active_jobs if job.is_prefill_done()]
+        if not jobs:
+            return
+        device_logits = self._forward(jobs)
+        if self.filter_queue:
+            for f, p in self.filter_queue:
+                if p:
+                    f.background_prepare_logit_mask(self.filter_pool)
+                else:
+                    f.background_next(self.filter_pool)
+            self.filter_queue.clear()
+        completed = self._sample_and_accept(jobs, device_logits, results)
+        num_jobs = self.num_remaining_jobs()
+        for job in completed:
+            job.deallocate_pages()
+            self.active_jobs.remove(job)
+        if num_jobs and not self.num_remaining_jobs():
+            self.defrag_cache()
+
+    def _forward(self, jobs: list[Any]) -> Any:
+        """One decode forward pass over `jobs` (one row each): device logits (rows, 1, vocab)."""
+        batch_size = sum(len(job.sequences) for job in jobs)
+        max_seq_len = max(job.get_max_seq_len() for job in jobs)
+        max_pages_batch = (max_seq_len + self.page_size - 1) // self.page_size
+        block_index = torch.zeros((batch_size, max_pages_batch), dtype=torch.int32)
+        cache_seqlens = torch.zeros((batch_size,), dtype=torch.int32)
+        row = 0
+        for job in jobs:
+            for seq in job.sequences:
+                seq_block_index = job.get_block_index(seq, len(seq.sequence_ids))
+                block_index[row, : seq_block_index.shape[-1]].copy_(seq_block_index)
+                cache_seqlens[row] = seq.kv_position
+                row += 1
+        input_ids_list: list[Any] = []
+        active_embeddings: list[Any] = []
+        mrope = self.model.config.arch.lm.mrope
+        rope_offsets_list: list[Any] | None = [] if mrope else None
+        # exllamav2 stamps a job's first decode step after cuda_sync_active(), once per job:
+        # a full GPU sync plus torch.cuda.memory_stats() (about 0.2 ms of Python) for each
+        # new job, all in the step that follows a burst's prefill. One host timestamp for the
+        # step instead; the stamp feeds only exllamav2's time_prefill/time_generate
+        # statistics, which exlq does not report.
+        now = time.time()
+        for job in jobs:
+            if job.time_first_token is None:
+                job.time_first_token = now
+            job_ids = job.get_input_ids_list(add_to_cache=True)
+            input_ids_list += job_ids
+            active_embeddings += job.embeddings
+            if rope_offsets_list is not None:
+                rope_offsets_list += [job.alt_rope_offset] * len(job_ids)
+        batch_ids = torch.cat(input_ids_list, dim=0)
+        attn_params = self.get_paged_params(
+            batch_size,
+            block_index,
+            cache_seqlens,
+            batch_ids.shape[-1],
+            rope_offsets=(
+                torch.tensor(rope_offsets_list, dtype=torch.int)
+                if rope_offsets_list is not None
+                else None
+            ),
+        )
+        return self.model.forward_chunk(
+            input_ids=batch_ids,
+            attn_params=attn_params,
+            cache=self.cache,
+            loras=self.current_loras,
+            indexed_embeddings=active_embeddings,
+        )["logits"]
+
+    def _sample_and_accept(
+        self, jobs: list[Any], device_logits: Any, results: list[Any]
+    ) -> list[Any]:
+        """Sample a token for every job (GPU where it can, else exllamav2's CPU sampler) and
+        hand it to the job; returns the jobs that ended."""
+        rows, row = [], 0  # each job's first row; a CFG job has two
+        for job in jobs:
+            rows.append(row)
+            row += len(job.sequences)
+        gpu_jobs = [i for i, job in enumerate(jobs) if gpu_sampleable(job)]
+        sampled: dict[int, tuple[Any, Any]] = {}
+        if gpu_jobs:
+            sampled = self._sample_on_gpu(
+                jobs, gpu_jobs, [rows[i] for i in gpu_jobs], device_logits
+            )
+        host_logits = None
+        if len(gpu_jobs) < len(jobs):
+            if not gpu_jobs and self.wait_work is not None:
+                self.wait_work()
+            host_logits = self.logits_pinned[: device_logits.shape[0], : device_logits.shape[1], :]
+            host_logits.copy_(device_logits, non_blocking=False)
+        completed = []
+        for i, job in enumerate(jobs):
+            if i in sampled:
+                token, prob = sampled[i]
+                eos, _ = job.receive_sample(
+                    None, token, none_tensor, none_tensor, prob, False, results, True
+                )
+            else:
+                assert host_logits is not None
+                job_logits = host_logits[rows[i] : rows[i] + len(job.sequences), :1, :]
+                token, k_tokens, k_probs, prob, filter_eos = job.receive_logits(job_logits)
+                eos, _ = job.receive_sample(
+                    job_logits, token, k_tokens, k_probs, prob, filter_eos, results, True
+                )
+            if eos:
+                completed.append(job)
+        self.gpu_sampled += len(gpu_jobs)
+        self.cpu_sampled += len(jobs) - len(gpu_jobs)
+        return completed
+
+    def _sample_on_gpu(
+        self, jobs: list[Any], indices: list[int], rows: list[int], device_logits: Any
+    ) -> dict[int, tuple[Any, Any]]:
+        if len(rows) == device_logits.shape[0]:
+            logits = device_logits[:, 0, :]
+        else:
+            index = torch.tensor(rows, dtype=torch.long).to(device_logits.device)
+            logits = device_logits[:, 0, :].index_select(0, index)
+        settings = [jobs[i].gen_settings for i in indices]
+        tokens, probs = sample_rows(
+            logits,
+            temperature=[s.temperature for s in settings],
+            top_k=[s.top_k for s in settings],
+            min_p=[s.min_p for s in settings],
+            # One draw per job and step from the job's own generator, as exllamav2 does,
+            # so a seeded job repeats itself.
+            uniform=[jobs[i].rng.random() for i in indices],
+            vocab_size=self.tokenizer.get_vocab_size(),
+            before_wait=self.wait_work,
+        )
+        return {i: (tokens[j : j + 1], probs[j : j + 1]) for j, i in enumerate(indices)}
