@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from exlq.producer.cli import app
-from exlq.worker.cli import up, worker
+from exlq.worker.cli import engines, up, worker
 
 app.command(help=worker.__doc__)(worker)
 app.command(help=up.__doc__)(up)
+app.command(help=engines.__doc__)(engines)
 
 
 def main() -> None:

@@ -98,21 +98,21 @@ async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callabl
             "queue": queue_name,
             "consumer_name": f"test-worker-{next(names)}",
             "metrics_port": 0,
-            "echo_tokens_per_second": 500.0,
             "max_batch_size": 8,
             "grace_seconds": 10.0,
             "read_block_ms": 100,
         }
         options.update(overrides)
-        settings = WorkerSettings(**options)
+        settings = WorkerSettings.load({"tokens_per_second": 500.0}, **options)
         if engine is None:
-            engine = EchoEngine(settings.max_batch_size, settings.echo_tokens_per_second)
+            engine = EchoEngine(settings.serving.max_batch_size, 500.0)
+        redis = settings.broker
         broker = Broker.from_url(
-            settings.redis_url,
+            redis.redis_url,
             QueueKeys(settings.queue_name),
-            settings.consumer_name,
-            result_ttl_s=settings.result_ttl_seconds,
-            dead_max_len=settings.dead_stream_max_len,
+            redis.consumer_name,
+            result_ttl_s=redis.result_ttl_seconds,
+            dead_max_len=redis.dead_stream_max_len,
         )
         metrics = Metrics(settings.queue_name)
         worker = Worker(settings, EngineLoop(engine), broker, metrics)

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 from exlq.protocol.models import InvalidRequest
 from exlq.worker.engines.base import (
@@ -18,16 +18,14 @@ from exlq.worker.engines.base import (
     Engine,
     EngineDead,
     EngineOutput,
-    EngineSetup,
     JobErrored,
+    PreparesJobs,
     TokenChunk,
+    UsesDeviceWait,
     describe_error,
 )
 from exlq.worker.engines.engine_request import EngineRequest
 from exlq.worker.gc_pauses import HeldCollections
-
-if TYPE_CHECKING:
-    from exlq.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ class EngineRunner(Protocol):
 
     name: str
     capacity: int
-    setup: EngineSetup
+    info: dict[str, str]
 
     def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Begin; each step's report goes to ``report``: with ``loop``, called on that
@@ -128,17 +126,17 @@ class EngineLoop:
     def __init__(
         self,
         engine: Engine,
-        overlap_reports: bool = True,
-        admit_in_wait: bool = True,
         collections: HeldCollections | None = None,
         commands: CommandSource | None = None,
     ) -> None:
         self.engine = engine
         self.name = engine.name
         self.capacity = engine.capacity
-        self.setup = engine.setup
-        self.overlap_reports = overlap_reports
-        self.admit_in_wait = admit_in_wait
+        self.info = engine.info()
+        # Declared capabilities: a step that waits for its device runs the loop's work in
+        # that wait; an engine that prepares jobs readies them before their start.
+        self._waits = engine if isinstance(engine, UsesDeviceWait) else None
+        self._prepares = engine if isinstance(engine, PreparesJobs) else None
         # In a process of the engine's own: Python's automatic collections are held off
         # from a burst's arrival at an idle engine to its first decode step's wait for the
         # GPU (gc_pauses.HeldCollections). None: CPython collects where it will.
@@ -149,13 +147,13 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._source = commands
         self._thread = threading.Thread(target=self._run, name="exlq-engine", daemon=True)
-        # With overlap_reports, a step's report that only continues streams waits here for the
+        # A step's report that only continues streams waits here for the
         # next step's wait for the GPU (Engine.set_wait_work), and goes out in it.
         self._held: StepReport | None = None
         self._held_error: BaseException | None = None
         self._step_waited = False  # the last step ran the wait work: the engine waits
         self._streaming: set[str] = set()  # jobs whose first text has been reported
-        # With admit_in_wait, the jobs that arrive while a step waits for the GPU are added
+        # The jobs that arrive while a step waits for the GPU are added
         # in that wait, and the engine readies the next step there. Commands taken there
         # behind the first that is not an add wait here, in order, for the step's end; what
         # the wait's adds and readying end goes into the pass's outputs.
@@ -164,17 +162,6 @@ class EngineLoop:
         # Jobs offered ahead of their start, by round, until the round's admit: what the
         # engine's prepare() returned, or the error the job fails with if it is admitted.
         self._offered: dict[int, dict[str, object]] = {}
-
-    @classmethod
-    def for_settings(
-        cls,
-        engine: Engine,
-        settings: WorkerSettings,
-        collections: HeldCollections | None = None,
-        commands: CommandSource | None = None,
-    ) -> EngineLoop:
-        """The loop as the worker's settings ask for it (in the worker or the engine process)."""
-        return cls(engine, settings.overlap_reports, settings.admit_in_wait, collections, commands)
 
     def start(self, report: ReportSink, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._report = report  # called on the engine's thread
@@ -216,8 +203,8 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        if self.overlap_reports or self.admit_in_wait or self.collections is not None:
-            self.engine.set_wait_work(self._in_wait)
+        if self._waits is not None:
+            self._waits.set_wait_work(self._in_wait)
         try:
             while True:
                 outputs: list[EngineOutput] = []
@@ -251,10 +238,14 @@ class EngineLoop:
             log.critical("engine loop crashed", exc_info=True)
             self._report_fatal(repr(exc))
         finally:
-            # A loop that has ended leaves no work in the engine: another may drive it.
-            self.engine.set_wait_work(None)
-            if self.collections is not None:
-                self.collections.release()
+            self._leave()
+
+    def _leave(self) -> None:
+        """A loop that has ended leaves no work in the engine: another may drive it."""
+        if self._waits is not None:
+            self._waits.set_wait_work(None)
+        if self.collections is not None:
+            self.collections.release()
 
     def _report_fatal(self, reason: str) -> None:
         held, self._held = self._held, None
@@ -270,8 +261,7 @@ class EngineLoop:
         does, a prefill): the next one would likely not wait either, and the report would
         only come a step late."""
         if (
-            self.overlap_reports
-            and not self._starts_or_ends(report.outputs)
+            not self._starts_or_ends(report.outputs)
             and self._step_waited
             and self.engine.active_jobs
         ):
@@ -300,19 +290,18 @@ class EngineLoop:
 
     def _in_wait(self) -> None:
         """The engine's wait work, run while the GPU runs the step: the held report goes
-        out (overlap_reports), then the jobs that have arrived are added and the engine
-        readies the next step (admit_in_wait): it may build the jobs that step will start;
+        out, then the jobs that have arrived are added and the engine
+        readies the next step: it may build the jobs that step will start;
         last, collections held since a burst began come back, the young one due first. A
         failing sink must not fail the step's jobs: its error is raised after the step."""
         self._step_waited = True
-        if self.overlap_reports:
-            try:
-                self._send_held()
-            except BaseException as exc:
-                self._held_error = exc
-        if self.admit_in_wait:
-            self._add_arrived()
-            self._outputs += self.engine.prepare_next_step()
+        try:
+            self._send_held()
+        except BaseException as exc:
+            self._held_error = exc
+        self._add_arrived()
+        assert self._waits is not None  # only an engine that waits runs this
+        self._outputs += self._waits.prepare_next_step()
         if self.collections is not None:
             self.collections.release()
 
@@ -353,8 +342,7 @@ class EngineLoop:
             elif isinstance(command, Offer):
                 offered = self._offered.setdefault(command.round, {})
                 for job_id, request in command.jobs:
-                    prepare = functools.partial(self.engine.prepare, job_id, request)
-                    offered[job_id] = _intake(job_id, prepare)
+                    offered[job_id] = self._prepare(job_id, request)
             else:
                 self._admit(command, outputs)
         return True
@@ -378,19 +366,29 @@ class EngineLoop:
             return JobErrored(job_id, "internal_error", "the job was started without its request")
         elif isinstance(prepared, JobErrored):
             return prepared
+        elif self._prepares is None:  # offered as it came: nothing was readied
+            add = functools.partial(self.engine.add, job_id, cast(EngineRequest, prepared))
+            started = _intake(job_id, add)
         else:
-            started = _intake(job_id, functools.partial(self.engine.admit, job_id, prepared))
+            started = _intake(job_id, functools.partial(self._prepares.admit, job_id, prepared))
         return started if isinstance(started, JobErrored) else None
+
+    def _prepare(self, job_id: str, request: EngineRequest) -> object:
+        """An offered job as the engine readied it, or its request where the engine does
+        not prepare jobs; the error it fails with if its request is bad."""
+        if self._prepares is None:
+            return request
+        return _intake(job_id, functools.partial(self._prepares.prepare, job_id, request))
 
     def _while_idle(self) -> None:
         """Before an idle engine waits for commands: build the jobs offered, if any; else
         nothing is on its way to the GPU, and collections held come back."""
-        if self._offered:
-            self._build_ahead()
+        if self._offered and self._prepares is not None:
+            self._build_ahead(self._prepares)
         elif self.collections is not None:
             self.collections.release()
 
-    def _build_ahead(self) -> None:
+    def _build_ahead(self, engine: PreparesJobs) -> None:
         """While idle, with jobs offered and their start awaited: the engine may build what
         its first step will start, in the time the worker's start script takes."""
         prepared = [
@@ -400,7 +398,7 @@ class EngineLoop:
             if not isinstance(offered, JobErrored)
         ]
         try:
-            self.engine.build_ahead(prepared)
+            engine.build_ahead(prepared)
         except EngineDead:
             raise
         except Exception:  # the jobs are built, or fail, at their step as without it

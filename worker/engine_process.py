@@ -27,7 +27,6 @@ from exlq.worker.engine_loop import (
 from exlq.worker.engines.base import (
     CacheUsage,
     EngineOutput,
-    EngineSetup,
     EngineUnavailable,
     JobEnded,
     JobErrored,
@@ -54,9 +53,9 @@ class EngineProcess:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.name: str = settings.engine
+        self.name: str = settings.serving.engine
         self.capacity = 0
-        self.setup = EngineSetup()
+        self.info: dict[str, str] = {}
         context = multiprocessing.get_context("spawn")
         # Pipe(duplex=False) returns (reader, writer).
         self._child_commands, self._commands = context.Pipe(duplex=False)
@@ -94,7 +93,7 @@ class EngineProcess:
         if kind != "ready":
             self.close()
             raise EngineUnavailable(str(payload))
-        self.name, self.capacity, self.setup = payload
+        self.name, self.capacity, self.info = payload
 
     @property
     def pid(self) -> int | None:
@@ -228,12 +227,12 @@ def _decoded(jobs: Sequence[tuple[str, WireRequest | None]]) -> list[Any]:
 
 def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:
     logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.serving.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from exlq.worker.engines import build_engine
 
     try:
-        engine = build_engine(settings)
+        engine = build_engine(settings.serving.engine, settings.load_request())
     except EngineUnavailable as exc:
         reports.send(("unavailable", str(exc)))
         return
@@ -245,9 +244,9 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     # and no collection pauses a burst on its way to the GPU.
     # The stepping thread reads the worker's commands itself: no command thread wakes it.
     source = command_source(FrameReader(commands.fileno()))
-    loop = EngineLoop.for_settings(engine, settings, HeldCollections(), source)
+    loop = EngineLoop(engine, HeldCollections(), source)
     freeze_startup_heap()
-    reports.send(("ready", (engine.name, engine.capacity, engine.setup)))
+    reports.send(("ready", (engine.name, engine.capacity, loop.info)))
     send_lock = threading.Lock()
 
     # On the engine thread, between steps. A sender thread of its own was measured slower

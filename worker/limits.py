@@ -3,29 +3,23 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exlq.protocol.models import GenerationRequest, InvalidRequest
-from exlq.worker.settings import WorkerSettings
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    max_request_bytes: int
-    max_prompt_chars: int
-    max_messages: int
-    max_metadata_bytes: int
-    max_new_tokens: int
+class RequestLimits(BaseSettings):
+    """Each limit reads EXLQ_<FIELD>; a request over one is refused, naming it."""
 
-    @classmethod
-    def from_settings(cls, settings: WorkerSettings) -> RequestLimits:
-        return cls(
-            max_request_bytes=settings.max_request_bytes,
-            max_prompt_chars=settings.max_prompt_chars,
-            max_messages=settings.max_messages,
-            max_metadata_bytes=settings.max_metadata_bytes,
-            max_new_tokens=settings.max_new_tokens,
-        )
+    model_config = SettingsConfigDict(env_prefix="EXLQ_", extra="forbid", frozen=True)
+
+    max_request_bytes: int = Field(1_000_000, ge=256, description="size of one stream entry")
+    max_prompt_chars: int = Field(400_000, ge=1, description="prompt, or all messages together")
+    max_messages: int = Field(512, ge=1)
+    max_metadata_bytes: int = Field(16_384, ge=0)
+    max_new_tokens: int = Field(8192, ge=1, le=65_536, description="largest max_new_tokens")
 
     def check_size(self, payload: bytes) -> None:
         """Before decoding: refuse what is too large to parse at all."""

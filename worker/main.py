@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from importlib.metadata import PackageNotFoundError, version
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
 
+from exlq._version import __version__
 from exlq.protocol.keys import QueueKeys
 from exlq.worker.broker import Broker
 from exlq.worker.engine_loop import EngineLoop, EngineRunner
@@ -39,17 +39,10 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def package_version() -> str:
-    try:
-        return version("exlq")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def run_worker(settings: WorkerSettings) -> int:
     """Run until SIGTERM or SIGINT; returns the process exit code."""
     logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.serving.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         return asyncio.run(serve(settings))
@@ -59,16 +52,17 @@ def run_worker(settings: WorkerSettings) -> int:
 
 
 async def serve(settings: WorkerSettings) -> int:
-    keys = QueueKeys(queue=settings.queue_name, prefix=settings.prefix)
+    redis = settings.broker
+    keys = QueueKeys(queue=settings.queue_name, prefix=redis.prefix)
     broker = Broker.from_url(
-        settings.redis_url,
+        redis.redis_url,
         keys,
-        settings.consumer_name,
-        result_ttl_s=settings.result_ttl_seconds,
-        dead_max_len=settings.dead_stream_max_len,
+        redis.consumer_name,
+        result_ttl_s=redis.result_ttl_seconds,
+        dead_max_len=redis.dead_stream_max_len,
     )
     try:
-        await _check_redis(broker, settings.redis_url)
+        await _check_redis(broker, redis.redis_url)
         try:
             engine = await asyncio.to_thread(load_engine, settings)
         except EngineUnavailable as exc:
@@ -83,11 +77,11 @@ async def serve(settings: WorkerSettings) -> int:
 
 def load_engine(settings: WorkerSettings) -> EngineRunner:
     """The engine, loaded, on the runner the settings ask for."""
-    if settings.engine_runner == "process":
+    if settings.serving.engine_runner == "process":
         process = EngineProcess(settings)
         process.load()
         return process
-    return EngineLoop.for_settings(build_engine(settings), settings)
+    return EngineLoop(build_engine(settings.serving.engine, settings.load_request()))
 
 
 async def _check_redis(broker: Broker, url: str) -> None:
@@ -102,24 +96,18 @@ async def _check_redis(broker: Broker, url: str) -> None:
 
 async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Broker) -> int:
     metrics = Metrics(settings.queue_name)
-    metrics.info(
-        package_version(),
-        engine.name,
-        settings.model.name if settings.model else "",
-        engine.setup,
-    )
+    model = settings.serving.model
+    metrics.info(__version__, engine.name, model.name if model else "", engine.info)
     worker = Worker(settings, engine, broker, metrics)
+    host, port = settings.serving.metrics_host, settings.serving.metrics_port
     try:
-        http = HealthServer(
-            settings.metrics_host, settings.metrics_port, metrics.wsgi_app(), lambda: worker.ready
-        )
+        http = HealthServer(host, port, metrics.wsgi_app(), lambda: worker.ready)
     except OSError as exc:
         raise StartupError(
-            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({exc}); "
-            "choose another --metrics-port"
+            f"cannot serve metrics on {host}:{port} ({exc}); choose another --metrics-port"
         ) from None
     http.start()
-    log.info("metrics on http://%s:%d/metrics", settings.metrics_host, http.port)
+    log.info("metrics on http://%s:%d/metrics", host, http.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     freeze_startup_heap()  # what start-up made stays: no full collection walks it again

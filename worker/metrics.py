@@ -5,9 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-
-from exlq.worker.engines.base import EngineSetup
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    make_wsgi_app,
+)
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2)
@@ -72,38 +77,14 @@ class Metrics:
         self._pages_total = gauge("exlq_cache_pages_total", "KV cache pages in all.")
         self._redis_connected = gauge("exlq_redis_connected", "1 while Redis answers.")
         self._ready = gauge("exlq_worker_ready", "1 while the worker takes jobs.")
-        self._info = Gauge(
-            "exlq_worker_info",
-            "Worker build and configuration.",
-            [
-                *q,
-                "version",
-                "engine",
-                "model",
-                "attention",
-                "decode_graphs",
-                "gpu_sampling",
-                "prefill_batch_tokens",
-                "admit_prompt_tokens",
-                "gpu_embedding",
-            ],
-            registry=r,
-        )
+        # exlq_worker_info: the build, the engine and how it runs (each engine's own keys).
+        self._info = Info("exlq_worker", "Worker build and configuration.", q, registry=r)
         self._queue = queue
 
-    def info(self, version: str, engine: str, model: str, setup: EngineSetup) -> None:
-        self._info.labels(
-            self._queue,
-            version,
-            engine,
-            model,
-            setup.attention,
-            "on" if setup.decode_graphs else "off",
-            "on" if setup.gpu_sampling else "off",
-            str(setup.prefill_batch_tokens),
-            str(setup.admit_prompt_tokens),
-            "on" if setup.gpu_embedding else "off",
-        ).set(1)
+    def info(self, version: str, engine: str, model: str, engine_info: dict[str, str]) -> None:
+        """The worker's build, its engine and the engine's own description of how it runs."""
+        labels = {**engine_info, "version": version, "engine": engine, "model": model}
+        self._info.labels(self._queue).info(labels)
 
     def job_received(self) -> None:
         self._received.inc()

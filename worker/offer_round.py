@@ -29,13 +29,11 @@ OFFER_PART = 8
 
 
 class OfferRound:
-    """The offers of one piece, in order; ends with admit() or withdraw(). Not ``enabled``:
-    offers nothing, and admit() hands the jobs over whole, as add_many()."""
+    """The offers of one piece, in order; ends with admit() or withdraw()."""
 
-    def __init__(self, engine: EngineRunner, round_id: int, enabled: bool = True) -> None:
+    def __init__(self, engine: EngineRunner, round_id: int) -> None:
         self.engine = engine
         self.round_id = round_id
-        self.enabled = enabled
         self.offered: dict[str, GenerationRequest] = {}
         self._part: list[tuple[str, GenerationRequest]] = []  # offered, not yet sent
         self.admitted_early: set[str] = set()
@@ -43,7 +41,7 @@ class OfferRound:
     def offer(self, request: GenerationRequest) -> None:
         """Offer a parsed request. An id offered before in this round is not offered again:
         an admit names an offered job by id, so each id stands for one request."""
-        if not self.enabled or request.id in self.offered:
+        if request.id in self.offered:
             return
         self.offered[request.id] = request
         self._part.append((request.id, request))
@@ -65,8 +63,6 @@ class OfferRound:
         """Start every job offered, in order, before the start script's verdict; a job whose
         deadline has passed is left to the script (it ends as expired). Returns the ids
         started. The round's offers are used up: later admits bring their requests whole."""
-        if not self.enabled:
-            return []
         self.flush()
         started = [
             job_id for job_id, request in self.offered.items() if not request.past_deadline(now)
@@ -80,9 +76,6 @@ class OfferRound:
     def admit(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
         """Start these jobs, in order; a job offered in this round goes by id alone, and
         one started early is not started again."""
-        if not self.enabled:
-            self.engine.add_many(jobs)
-            return
         self.flush()
         named = [
             (job_id, None if self.offered.get(job_id) is request else request)

@@ -135,11 +135,11 @@ class Worker:
         if not self._engine_dead.is_set() and self.held:
             log.info(
                 "stopping: waiting up to %.0fs for %d running jobs",
-                self.settings.grace_seconds,
+                self.settings.serving.grace_seconds,
                 len(self.held),
             )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained(), self.settings.grace_seconds)
+                await asyncio.wait_for(self._drained(), self.settings.serving.grace_seconds)
         if self.held:
             log.warning("leaving %d unfinished jobs pending for another worker", len(self.held))
         await asyncio.to_thread(self.engine.stop, 30.0)
@@ -167,7 +167,7 @@ class Worker:
                 continue
             try:
                 count = self.free_slots
-                entries = await self.broker.read(count, self.settings.read_block_ms)
+                entries = await self.broker.read(count, self.settings.broker.read_block_ms)
                 if entries:
                     # Redis answers a read with every entry that has landed, up to its
                     # count. One that returns its count may have left some behind, and
@@ -193,7 +193,7 @@ class Worker:
         async with self._intake:
             if self.stop_reading.is_set() or self.free_slots <= 0:
                 return
-            entries = await self.broker.reclaim(self.free_slots, self.settings.claim_idle_ms)
+            entries = await self.broker.reclaim(self.free_slots, self.settings.broker.claim_idle_ms)
             held = {job.entry_id for job in self.held.values()}
             taken = [entry for entry in entries if entry.entry_id not in held]
             if taken:
@@ -212,10 +212,10 @@ class Worker:
     async def _accept_piece(self, entries: list[StreamEntry], read_behind: bool = False) -> None:
         batch = Batch()
         decoded: list[tuple[StreamEntry, GenerationRequest]] = []
-        # With --offer-before-start the engine readies the piece's jobs while the worker
-        # parses the rest and runs the start script (offer_round.py). A job this worker
-        # holds is not offered: the engine runs it under that id already.
-        offers = OfferRound(self.engine, next(self._rounds), self.settings.offer_before_start)
+        # The engine readies the piece's jobs while the worker parses the rest and runs the
+        # start script (offer_round.py). A job this worker holds is not offered: the engine
+        # runs it under that id already.
+        offers = OfferRound(self.engine, next(self._rounds))
         # No collection pauses the piece's way to the engine (gc_pauses): what falls due
         # runs after the hand-over, while the engine steps.
         with collections_deferred():
@@ -224,18 +224,16 @@ class Worker:
                     await self._gather_burst(entries, batch, decoded, offers)
                 else:
                     self._take_in(entries, batch, decoded, offers)
-                offers.flush()
-                if self.settings.admit_before_start:
-                    # The engine starts the piece now; the script's refusals stop after.
-                    now = time.time()
-                    self._early.begin(offers.admit_early(now), now)
+                # The engine starts the piece now; the script's refusals stop after.
+                now = time.time()
+                self._early.begin(offers.admit_early(now), now)
                 admitted = await self._start_piece(batch, decoded)
             except BaseException:
                 offers.withdraw()  # the entries stay pending in Redis
                 self._early.abandon(self.engine)
                 raise
-            # One hand-over: the engine starts the jobs of one piece in the same pass
-            # (with --admit-before-start, those not started already).
+            # One hand-over: the engine starts the jobs of one piece in the same pass (those
+            # not started already).
             offers.admit(admitted)
             self._early.settle({job_id for job_id, _ in admitted}, self.engine)
         self._note_held()
@@ -283,7 +281,7 @@ class Worker:
         flight is cancelled, and what Redis had delivered to it stays pending for a reclaim,
         with the rest of the piece."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.burst_wait_ms / 1000
+        deadline = loop.time() + self.settings.broker.burst_wait_ms / 1000
         taken, rest = len(piece), piece
         read = await self._read_ahead(taken, deadline, block=piece[-1].more)
         try:
@@ -370,10 +368,10 @@ class Worker:
         if job.attempt > 1:
             batch.publish(job.channel, job.requeued_event("its previous worker stopped"))
             self.metrics.job_requeued()
-        if job.attempt > self.settings.max_attempts:
+        if job.attempt > self.settings.broker.max_attempts:
             message = (
                 f"gave up after {job.attempt - 1} attempts (EXLQ_MAX_ATTEMPTS="
-                f"{self.settings.max_attempts}); every worker that ran it stopped"
+                f"{self.settings.broker.max_attempts}); every worker that ran it stopped"
             )
             self._fail(batch, job, JobErrored(job.job_id, "too_many_attempts", message), now)
             return False

@@ -31,7 +31,7 @@ class _Every:
 class Upkeep:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        settings = worker.settings
+        settings = worker.settings.broker
         self._duties = [
             _Every(settings.claim_renew_seconds, self.renew_claims),
             _Every(max(settings.claim_idle_ms / 1000 / 2, TICK_S), worker.reclaim),
@@ -79,23 +79,25 @@ class Upkeep:
 
     async def heartbeat(self) -> None:
         worker = self.worker
+        model = worker.settings.serving.model
         await worker.broker.heartbeat(
             {
                 "engine": worker.engine.name,
-                "model": worker.settings.model.name if worker.settings.model else None,
+                "model": model.name if model else None,
                 "capacity": worker.capacity,
                 "load": len(worker.held),
                 "ready": worker.ready,
             },
-            stale_after_s=worker.settings.heartbeat_seconds * 6,
+            stale_after_s=worker.settings.broker.heartbeat_seconds * 6,
         )
         worker.set_redis_ok(True)
 
     async def trim(self) -> None:
         """Bounded memory: drop entries every group has finished, and consumers long gone."""
         trimmed = await self.worker.broker.trim()
+        idle_ms = self.worker.settings.broker.claim_idle_ms
         forgotten = await self.worker.broker.forget_idle_consumers(
-            int(max(CONSUMER_FORGET_AFTER_S, self.worker.settings.claim_idle_ms / 100) * 1000)
+            int(max(CONSUMER_FORGET_AFTER_S, idle_ms / 100) * 1000)
         )
         if trimmed or forgotten:
             log.debug("trimmed %d entries, forgot %d idle consumers", trimmed, forgotten)

@@ -1,21 +1,15 @@
-"""Engines behind one interface; heavy ones are imported only when chosen."""
+"""Engines behind one contract (base.py), found by name (registry.py); an engine's heavy
+libraries are imported only when it is loaded."""
 
 from __future__ import annotations
 
 from exlq.worker.engines.base import Engine, EngineUnavailable
-from exlq.worker.settings import WorkerSettings
+from exlq.worker.engines.registry import LoadRequest, find
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
-    if settings.engine == "echo":
-        from exlq.worker.engines.echo.engine import EchoEngine
-
-        return EchoEngine(settings.max_batch_size, settings.echo_tokens_per_second)
-    if settings.engine == "exllamav2":
-        from exlq.worker.engines.exllamav2.engine import load_exllamav2_engine
-
-        return load_exllamav2_engine(settings)
-    raise EngineUnavailable(f"unknown engine {settings.engine!r}: use exllamav2 or echo")
+def build_engine(engine: str, request: LoadRequest) -> Engine:
+    """Load the engine called ``engine``; EngineUnavailable says why it cannot run here."""
+    return find(engine).load(request)
 
 
 __all__ = ["Engine", "EngineUnavailable", "build_engine"]

@@ -52,19 +52,6 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot start here (no GPU, missing package, bad model); the message says why."""
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSetup:
-    """How a loaded engine runs, as loading turned out (a setting may have fallen back):
-    the log and ``exlq_worker_info`` say it."""
-
-    attention: str = "none"
-    decode_graphs: bool = False
-    gpu_sampling: bool = False
-    prefill_batch_tokens: int = 0  # 0: one job a prefill pass
-    admit_prompt_tokens: int = 0  # 0: a step starts every waiting job that fits
-    gpu_embedding: bool = False  # the token-embedding table sits on the GPU
-
-
 def describe_error(exc: BaseException) -> str:
     """An exception as a job's error message: its type and what it says."""
     return f"{type(exc).__name__}: {exc}"
@@ -74,59 +61,23 @@ class EngineDead(RuntimeError):
     """The engine can serve nothing more; the process should exit so it is restarted."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Unprepared:
-    """What Engine.prepare() returns by default: the request, for admit() to add."""
-
-    request: EngineRequest
-
-
 class Engine(ABC):
-    """Generates tokens for many jobs at once. Every method runs on the engine thread."""
+    """Generates tokens for many jobs at once. Every method runs on the engine thread.
+
+    The contract every engine keeps: take jobs (add), stop one (cancel), step every job
+    once and say what each produced (step), drop everything after a failed step
+    (abort_all), and report its load (capacity, active_jobs, cache_usage). What an engine
+    can do beyond that it declares by also deriving from a capability below
+    (PreparesJobs, UsesDeviceWait); the engine loop uses a capability only where the
+    engine declares it.
+    """
 
     name: str
-    capacity: int
-    attention: str = "none"
-    decode_graphs: bool = False
-    gpu_sampling: bool = False
-    prefill_batch_tokens: int = 0
-    admit_prompt_tokens: int = 0
-    gpu_embedding: bool = False
-    wait_work: Callable[[], None] | None = None
-
-    @property
-    def setup(self) -> EngineSetup:
-        return EngineSetup(
-            self.attention,
-            self.decode_graphs,
-            self.gpu_sampling,
-            self.prefill_batch_tokens,
-            self.admit_prompt_tokens,
-            self.gpu_embedding,
-        )
+    capacity: int  # jobs the engine runs at once
 
     @abstractmethod
     def add(self, job_id: str, request: EngineRequest) -> None:
         """Start a job. Raises InvalidRequest if it can never run as written."""
-
-    def prepare(self, job_id: str, request: EngineRequest) -> object:
-        """Check a request the worker is about to start, and do what running it will need,
-        without running it: what it returns goes to admit() if the worker starts the job,
-        and is dropped if not. Raises InvalidRequest as add() would. Default: nothing ahead;
-        admit() adds the request."""
-        return _Unprepared(request)
-
-    def admit(self, job_id: str, prepared: object) -> None:
-        """Start a job that prepare() readied (same errors as add())."""
-        if not isinstance(prepared, _Unprepared):
-            raise TypeError(f"admit() takes what prepare() returned, not {type(prepared)}")
-        self.add(job_id, prepared.request)
-
-    def build_ahead(self, prepared: list[object]) -> None:  # noqa: B027 - optional hook
-        """Called while the engine is idle and the worker is about to start the jobs these
-        were prepared for (in order): the engine may build the ones its next step would
-        start, so the step need not. It must leave a job it cannot build to admit() or
-        step() to fail. Default: nothing."""
 
     @abstractmethod
     def cancel(self, job_id: str) -> JobEnded | None:
@@ -135,22 +86,6 @@ class Engine(ABC):
     @abstractmethod
     def step(self) -> list[EngineOutput]:
         """Run one iteration for every active job and return what it produced."""
-
-    def set_wait_work(self, work: Callable[[], None] | None) -> None:
-        """Work a step may run on the engine thread while it waits for its device: once the
-        step's forward pass is queued on the GPU, before the wait for its result. It must not
-        raise. The engine loop sends the previous step's report there, adds the jobs that
-        have arrived and calls prepare_next_step(), so add() and prepare_next_step() may be
-        called from inside step(). An engine that never waits may ignore it; the loop then
-        does all of it between steps."""
-        self.wait_work = work
-
-    def prepare_next_step(self) -> list[EngineOutput]:
-        """Readying for the next step that may run inside this one's wait for its device
-        (the engine loop calls it there, after adding the jobs that arrived): an engine may
-        build the jobs the next step will start. Returns the ends of jobs it could not ready.
-        Default: nothing to do."""
-        return []
 
     @abstractmethod
     def abort_all(self) -> list[str]:
@@ -164,5 +99,50 @@ class Engine(ABC):
     @abstractmethod
     def cache_usage(self) -> CacheUsage: ...
 
+    def info(self) -> dict[str, str]:
+        """How the loaded engine runs (a setting may have fallen back at load), as short
+        strings: the start-up log and the ``exlq_worker_info`` metric's labels show them."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""
+
+
+class PreparesJobs(ABC):
+    """Capability: check and build jobs before the worker has decided to start them, so
+    that an engine's per-job work overlaps the worker's round trip to Redis."""
+
+    @abstractmethod
+    def prepare(self, job_id: str, request: EngineRequest) -> object:
+        """Check a request the worker is about to start and do what running it will need,
+        without running it: what it returns goes to admit() if the worker starts the job,
+        and is dropped if not. Raises InvalidRequest as add() would."""
+
+    @abstractmethod
+    def admit(self, job_id: str, prepared: object) -> None:
+        """Start a job that prepare() readied (same errors as add())."""
+
+    def build_ahead(self, prepared: list[object]) -> None:  # noqa: B027 - optional hook
+        """Called while the engine is idle and the worker is about to start the jobs these
+        were prepared for (in order): the engine may build the ones its next step would
+        start, so the step need not. It must leave a job it cannot build to admit() or
+        step() to fail. Default: nothing."""
+
+
+class UsesDeviceWait:
+    """Capability: a step that waits for its device (a GPU) runs the engine loop's work in
+    that wait: the last step's report, the jobs that arrived, readying the next step."""
+
+    wait_work: Callable[[], None] | None = None
+
+    def set_wait_work(self, work: Callable[[], None] | None) -> None:
+        """Work a step runs on the engine thread once its forward pass is queued on the
+        device, before it waits for the result. It must not raise; add() and
+        prepare_next_step() may be called from inside step()."""
+        self.wait_work = work
+
+    def prepare_next_step(self) -> list[EngineOutput]:
+        """Ready the next step inside this one's wait (after the jobs that arrived were
+        added): e.g. build the jobs it will start. Returns the ends of jobs it could not
+        ready. Default: nothing to do."""
+        return []

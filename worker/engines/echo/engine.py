@@ -7,7 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from exlq.protocol.models import FinishReason
-from exlq.worker.engines.base import CacheUsage, Engine, EngineOutput, JobEnded, TokenChunk
+from exlq.worker.engines.base import (
+    CacheUsage,
+    Engine,
+    EngineOutput,
+    JobEnded,
+    TokenChunk,
+    UsesDeviceWait,
+)
 from exlq.worker.engines.engine_request import EngineRequest
 
 # The echo engine's "tokens" are the prompt's words, cycled; one id per word position.
@@ -40,8 +47,10 @@ class _EchoJob:
     text: list[str] = field(default_factory=list)
 
 
-class EchoEngine(Engine):
-    """Deterministic load-test engine: one word per job per step, ``tokens_per_second`` steps/s."""
+class EchoEngine(Engine, UsesDeviceWait):
+    """Deterministic load-test engine: one word per job per step, ``tokens_per_second`` steps/s.
+    Its pause between steps stands for a GPU's forward pass, so it runs the loop's wait work
+    there."""
 
     name = "echo"
 

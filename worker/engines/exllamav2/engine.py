@@ -17,6 +17,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exlq.protocol.models import (
@@ -33,13 +34,16 @@ from exlq.worker.engines.base import (
     EngineUnavailable,
     JobEnded,
     JobErrored,
+    PreparesJobs,
     TokenChunk,
+    UsesDeviceWait,
     describe_error,
 )
 from exlq.worker.engines.chat_template import ChatFormatter
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids, sampling_settings
 from exlq.worker.engines.exllamav2.build_queue import Accepted, BuildQueue, room_for_one_more
-from exlq.worker.settings import WorkerSettings
+from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
+from exlq.worker.engines.registry import LoadRequest
 
 if TYPE_CHECKING:
     from exlq.worker.engines.exllamav2.graphs import DecodeGraphs
@@ -63,18 +67,20 @@ def require_cuda() -> None:
         )
 
 
-def load_exllamav2_engine(settings: WorkerSettings) -> ExLlamaV2Engine:
+def load_exllamav2_engine(request: LoadRequest) -> ExLlamaV2Engine:
     require_cuda()
-    assert settings.model is not None
-    if not (settings.model / "config.json").exists():
-        raise EngineUnavailable(f"{settings.model} has no config.json: is it a model directory?")
+    model = request.model
+    options = request.options
+    assert model is not None and isinstance(options, ExLlamaV2Settings)
+    if not (model / "config.json").exists():
+        raise EngineUnavailable(f"{model} has no config.json: is it a model directory?")
     from exlq.worker.engines.exllamav2.attention import install_attention
 
-    attention = install_attention(settings.attention)
+    attention = install_attention(options.attention)
     try:
-        return ExLlamaV2Engine(settings, attention)
+        return ExLlamaV2Engine(model, request.max_batch_size, options, attention)
     except (OSError, ValueError, AssertionError) as exc:
-        raise EngineUnavailable(f"cannot load the model from {settings.model}: {exc}") from exc
+        raise EngineUnavailable(f"cannot load the model from {model}: {exc}") from exc
 
 
 @dataclass
@@ -135,29 +141,30 @@ def sampler_settings(
     )
 
 
-class ExLlamaV2Engine(Engine):
+class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
     name = "exllamav2"
 
-    def __init__(self, settings: WorkerSettings, attention: str) -> None:
+    def __init__(
+        self, model: Path, max_batch_size: int, settings: ExLlamaV2Settings, attention: str
+    ) -> None:
         import numpy  # exllamav2 depends on it
         import torch
 
         from exlq.worker.engines.exllamav2.load import load_generator, warm_up
 
-        assert settings.model is not None
         self._torch = torch
         self._numpy = numpy
         self.attention = attention
-        self.capacity = settings.max_batch_size
+        self.capacity = max_batch_size
         self.loaded = load_generator(
-            settings.model,
+            model,
             max_batch_size=self.capacity,
             cache_tokens=settings.cache_tokens,
             gpu_sampling=settings.gpu_sampling,
             prefill_batch_tokens=settings.prefill_batch_tokens,
             admit_prompt_tokens=settings.admit_prompt_tokens,
             max_chunk_size=settings.max_chunk_size,
-            sampling_threads=settings.sampling_threads,
+            sampling_threads=1,  # measured fastest: the GPU samples the common cases
             gpu_embedding=settings.gpu_embedding,
             decode_graphs=settings.cuda_graphs,
         )
@@ -177,7 +184,7 @@ class ExLlamaV2Engine(Engine):
         self.admit_prompt_tokens = int(getattr(self.generator, "admit_prompt_tokens", 0))
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)
         self.chat = ChatFormatter(
-            settings.model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
+            model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
         )
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
@@ -190,7 +197,7 @@ class ExLlamaV2Engine(Engine):
         log.info(
             "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
             "sampling on the %s, embedding table on the %s, prefill %s, %s",
-            settings.model.name,
+            model.name,
             cache_tokens,
             self.capacity,
             attention,
@@ -209,6 +216,17 @@ class ExLlamaV2Engine(Engine):
                 else "a step starts every job that fits"
             ),
         )
+
+    def info(self) -> dict[str, str]:
+        """How loading turned out (a setting may have fallen back)."""
+        return {
+            "attention": self.attention,
+            "decode_graphs": "on" if self.decode_graphs else "off",
+            "gpu_sampling": "on" if self.gpu_sampling else "off",
+            "prefill_batch_tokens": str(self.prefill_batch_tokens),
+            "admit_prompt_tokens": str(self.admit_prompt_tokens),
+            "gpu_embedding": "on" if self.gpu_embedding else "off",
+        }
 
     # -- jobs ---------------------------------------------------------------------------
 
