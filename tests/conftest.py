@@ -103,9 +103,10 @@ async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callabl
             "read_block_ms": 100,
         }
         options.update(overrides)
-        settings = WorkerSettings.load({"tokens_per_second": 500.0}, **options)
+        tokens_per_second = options.pop("echo_tokens_per_second", 500.0)
+        settings = WorkerSettings.load({"tokens_per_second": tokens_per_second}, **options)
         if engine is None:
-            engine = EchoEngine(settings.serving.max_batch_size, 500.0)
+            engine = EchoEngine(settings.serving.max_batch_size, tokens_per_second)
         redis = settings.broker
         broker = Broker.from_url(
             redis.redis_url,

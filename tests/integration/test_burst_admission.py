@@ -184,37 +184,27 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
     assert failed and [r.state for r in results] == ["done"] * 4
 
 
-@pytest.mark.parametrize(
-    ("offer_before_start", "admit_before_start"), [(True, True), (True, False), (False, False)]
-)
 async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     redis_url: str,
     queue_name: str,
     start_worker: Any,
     monkeypatch: pytest.MonkeyPatch,
-    offer_before_start: bool,
-    admit_before_start: bool,
 ) -> None:
     """Each piece of a read is started and handed to the engine before the next is
-    started, so the engine can prefill the first while the worker takes in the rest. With
-    --offer-before-start each piece is offered in parts as it is parsed, before its start
-    script; the admit after the script names every offered job by id alone. With
-    --admit-before-start that admit goes before the script, once the last part is out."""
+    started, so the engine can prefill the first while the worker takes in the rest. Each
+    piece is offered in parts as it is parsed, before its start script, and admitted (every
+    offered job by id alone) once the last part is out, before the script's verdict."""
     from exlq.worker.engine_loop import EngineLoop
     from exlq.worker.offer_round import OFFER_PART
     from exlq.worker.runner import ACCEPT_PIECE
 
     log: list[tuple[str, list[str]]] = []
-    real_start, real_add = Broker.start_jobs, EngineLoop.add_many
+    real_start = Broker.start_jobs
     real_offer, real_admit = EngineLoop.offer, EngineLoop.admit
 
     async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
         log.append(("start", [job_id for job_id, _ in jobs]))
         return await real_start(self, jobs)
-
-    def add_many(self: EngineLoop, jobs: list[tuple[str, Any]]) -> None:
-        log.append(("add", [job_id for job_id, _ in jobs]))
-        real_add(self, jobs)
 
     def offer(self: EngineLoop, round_id: int, jobs: list[tuple[str, Any]]) -> None:
         log.append(("offer", [job_id for job_id, _ in jobs]))
@@ -226,15 +216,12 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
         real_admit(self, round_id, jobs)
 
     monkeypatch.setattr(Broker, "start_jobs", start_jobs)
-    monkeypatch.setattr(EngineLoop, "add_many", add_many)
     monkeypatch.setattr(EngineLoop, "offer", offer)
     monkeypatch.setattr(EngineLoop, "admit", admit)
     count = 2 * ACCEPT_PIECE + 5
     await start_worker(
         engine=CountingEngine(capacity=128),
         max_batch_size=128,
-        offer_before_start=offer_before_start,
-        admit_before_start=admit_before_start,
     )
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         burst = await asyncio.gather(
@@ -245,7 +232,7 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     # Accepted in pieces: each piece's offers, its start script and its hand-over, in the
     # order the settings give.
     assert ACCEPT_PIECE == 32 and OFFER_PART == 8
-    last = ("add", "start") if admit_before_start else ("start", "add")
+    last = ("add", "start")
     rounds: list[list[tuple[str, int]]] = [[]]
     for kind, ids in log:
         rounds[-1].append((kind, len(ids)))
@@ -258,13 +245,10 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     for piece in rounds:
         offered = [n for kind, n in piece[:-2]]
         assert all(kind == "offer" for kind, _ in piece[:-2])
-        if offer_before_start:
-            # The first job alone, then up to OFFER_PART at a time.
-            assert offered[0] == 1 and max(offered) <= OFFER_PART
-            assert sum(offered) == piece[-1][1]
-        else:
-            assert offered == []
-    if offer_before_start and not EAGER_SEND:
+        # The first job alone, then up to OFFER_PART at a time.
+        assert offered[0] == 1 and max(offered) <= OFFER_PART
+        assert sum(offered) == piece[-1][1]
+    if not EAGER_SEND:
         # The burst landed in one write: one read took it whole, and a piece of 32 went
         # in 1, 8, 8, 8, 7, one of 5 in 1, 4. (With the SDK's first piece of 8 written
         # first, the read may bring those 8 alone, and the worker offers them before it
@@ -273,7 +257,7 @@ async def test_a_large_burst_reaches_the_engine_in_pieces_in_order(
     handed = [job_id for kind, ids in log if kind == "add" for job_id in ids]
     assert handed == [h.id for h in burst]
     offered = [job_id for kind, ids in log if kind == "offer" for job_id in ids]
-    assert offered == (handed if offer_before_start else [])
+    assert offered == handed
 
 
 async def test_a_full_piece_goes_to_the_engine_before_the_worker_reads_again(

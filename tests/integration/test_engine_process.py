@@ -16,7 +16,7 @@ from exlq.protocol.models import GenerationRequest
 from exlq.worker.broker import Broker
 from exlq.worker.engine_loop import StepReport
 from exlq.worker.engine_process import EngineProcess
-from exlq.worker.engines.base import EngineSetup, JobEnded
+from exlq.worker.engines.base import JobEnded
 from exlq.worker.metrics import Metrics
 from exlq.worker.runner import EXIT_ENGINE_DEAD, Worker
 from exlq.worker.settings import WorkerSettings
@@ -27,12 +27,12 @@ pytestmark = pytest.mark.integration
 def _echo_settings(
     redis_url: str = "redis://unused", queue: str = "q", tokens_per_second: float = 1_000
 ) -> WorkerSettings:
-    return WorkerSettings(
+    return WorkerSettings.load(
+        {"tokens_per_second": tokens_per_second},
         engine="echo",
         redis_url=redis_url,
         queue=queue,
         max_batch_size=4,
-        echo_tokens_per_second=tokens_per_second,
         metrics_port=0,
     )
 
@@ -43,7 +43,7 @@ async def test_process_runner_serves_and_its_death_stops_the_worker(
     settings = _echo_settings(redis_url, queue_name, tokens_per_second=200)
     engine = EngineProcess(settings)
     await asyncio.to_thread(engine.load)
-    assert (engine.name, engine.capacity, engine.setup) == ("echo", 4, EngineSetup())
+    assert (engine.name, engine.capacity, engine.info) == ("echo", 4, {})
     broker = Broker.from_url(
         redis_url, QueueKeys(queue_name), "proc-worker", result_ttl_s=60, dead_max_len=100
     )

@@ -14,12 +14,13 @@ from exlq.producer import AsyncProducer
 from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
 from exlq.protocol.models import DoneEvent, GenerationRequest, TokenEvent
 from exlq.worker.broker import Broker
+from exlq.worker.engines.base import PreparesJobs
 from exlq.worker.engines.echo.engine import EchoEngine
 
 pytestmark = pytest.mark.integration
 
 
-class IntakeEngine(EchoEngine):
+class IntakeEngine(EchoEngine, PreparesJobs):
     """Echo that records the jobs it prepared and the jobs it started."""
 
     def __init__(self) -> None:
@@ -29,19 +30,21 @@ class IntakeEngine(EchoEngine):
 
     def prepare(self, job_id: str, request: GenerationRequest) -> object:
         self.prepared.append(job_id)
-        return super().prepare(job_id, request)
+        return request
+
+    def admit(self, job_id: str, prepared: object) -> None:
+        assert isinstance(prepared, GenerationRequest)
+        self.add(job_id, prepared)
 
     def add(self, job_id: str, request: GenerationRequest) -> None:
         self.started.append(job_id)
         super().add(job_id, request)
 
 
-@pytest.mark.parametrize("admit_before_start", [True, False])
 async def test_a_job_cancelled_while_queued_is_offered_but_never_seen_to_run(
     redis_url: str,
     queue_name: str,
     start_worker: Any,
-    admit_before_start: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = IntakeEngine()
@@ -49,7 +52,7 @@ async def test_a_job_cancelled_while_queued_is_offered_but_never_seen_to_run(
         cancelled = await producer.submit("never runs", max_new_tokens=3)
         assert await cancelled.cancel() == "queued"
         runs = await producer.submit("runs", max_new_tokens=3)
-        await start_worker(engine=engine, admit_before_start=admit_before_start)
+        await start_worker(engine=engine)
         cancelled_events = await asyncio.wait_for(_events(cancelled), timeout=10)
         results = await asyncio.wait_for(
             asyncio.gather(cancelled.result(), runs.result()), timeout=10
@@ -58,22 +61,20 @@ async def test_a_job_cancelled_while_queued_is_offered_but_never_seen_to_run(
     # Its subscriber saw its end alone: no token, though the engine may have started it.
     assert [type(e).__name__ for e in cancelled_events] == ["DoneEvent"]
     assert results[0].text == "" and results[0].usage.completion_tokens == 0
-    # One read took both: both were offered. The start script started one; with
-    # --admit-before-start the engine started both before its verdict.
+    # One read took both: both were offered, and the engine started both before the
+    # start script's verdict, which refused one.
     assert engine.prepared == [cancelled.id, runs.id]
-    assert engine.started == ([cancelled.id, runs.id] if admit_before_start else [runs.id])
+    assert engine.started == [cancelled.id, runs.id]
     # What the engine made of it before it was stopped was dropped as expected, not as
     # output of a job the worker does not know.
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-@pytest.mark.parametrize("admit_before_start", [True, False])
 async def test_a_failed_start_script_withdraws_the_offers_and_the_job_runs_once_later(
     redis_url: str,
     queue_name: str,
     start_worker: Any,
     monkeypatch: pytest.MonkeyPatch,
-    admit_before_start: bool,
 ) -> None:
     real_start = Broker.start_jobs
     failed: list[bool] = []
@@ -88,7 +89,7 @@ async def test_a_failed_start_script_withdraws_the_offers_and_the_job_runs_once_
     monkeypatch.setattr(Broker, "start_jobs", start_jobs)
     engine = IntakeEngine()
     # The entry stays pending after the failure: a reclaim brings it back.
-    await start_worker(engine=engine, claim_idle_ms=300, admit_before_start=admit_before_start)
+    await start_worker(engine=engine, claim_idle_ms=300)
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
         handle = await producer.submit("runs after a retry", max_new_tokens=3)
         events = await asyncio.wait_for(_events(handle), timeout=20)
@@ -99,10 +100,10 @@ async def test_a_failed_start_script_withdraws_the_offers_and_the_job_runs_once_
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert [e.seq for e in events] == list(range(len(events))) and len(tokens) == 3
     assert "".join(t.text for t in tokens) == result.text
-    # Offered twice (the read, then the reclaim); started once, or also early the first
-    # time (then stopped).
+    # Offered twice (the read, then the reclaim); started early both times, the first
+    # start stopped for want of a verdict.
     assert engine.prepared == [handle.id, handle.id]
-    assert engine.started == [handle.id] * (2 if admit_before_start else 1)
+    assert engine.started == [handle.id] * 2
 
 
 async def test_output_of_a_job_started_early_waits_for_its_verdict(
@@ -159,7 +160,7 @@ async def test_a_reclaim_due_while_a_read_waits_for_its_verdict_stops_neither_pi
         await asyncio.sleep(0.5)
         fresh = await producer.submit("fresh", max_new_tokens=3)
         engine = IntakeEngine()
-        await start_worker(engine=engine, claim_idle_ms=450, admit_before_start=True)
+        await start_worker(engine=engine, claim_idle_ms=450)
         results = await asyncio.wait_for(
             asyncio.gather(abandoned.result(), fresh.result()), timeout=10
         )

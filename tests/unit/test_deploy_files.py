@@ -9,7 +9,6 @@ from pathlib import Path
 import yaml
 from prometheus_client import generate_latest
 
-from exlq.worker.engines.base import EngineSetup
 from exlq.worker.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +18,7 @@ _SUFFIXES = ("_bucket", "_sum", "_count")
 
 def exported_names() -> set[str]:
     metrics = Metrics("q")
-    metrics.info("v", "echo", "m", EngineSetup())
+    metrics.info("v", "echo", "m", {})
     metrics.job_completed("stop")
     metrics.job_failed("engine_error")
     text = generate_latest(metrics.registry).decode()

@@ -161,7 +161,7 @@ class ScriptedEngine(EchoEngine):
         """No pause (nor wait work) of the echo engine's own."""
 
 
-def _run_scripted(waits: set[int], overlap: bool) -> list[str]:
+def _run_scripted(waits: set[int]) -> list[str]:
     log: list[str] = []
     done = threading.Event()
 
@@ -170,7 +170,7 @@ def _run_scripted(waits: set[int], overlap: bool) -> list[str]:
         if any(isinstance(o, JobEnded) for o in report.outputs):
             done.set()
 
-    loop = EngineLoop(ScriptedEngine(log, waits), overlap_reports=overlap)
+    loop = EngineLoop(ScriptedEngine(log, waits))
     loop.start(sink)
     loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
     assert done.wait(5)
@@ -188,7 +188,7 @@ EVERY_STEP = {1, 2, 3, 4}
 
 
 def test_a_steps_tokens_go_out_in_the_next_steps_wait_for_the_gpu() -> None:
-    log = _run_scripted(waits=EVERY_STEP, overlap=True)
+    log = _run_scripted(waits=EVERY_STEP)
     assert log == [
         "step 1",
         "end 1",
@@ -206,7 +206,7 @@ def test_a_steps_tokens_go_out_in_the_next_steps_wait_for_the_gpu() -> None:
 
 
 def test_held_tokens_go_out_after_a_step_that_does_not_wait_and_nothing_waits_on_it() -> None:
-    log = _run_scripted(waits={2}, overlap=True)
+    log = _run_scripted(waits={2})
     assert log == [
         "step 1",
         "end 1",
@@ -240,11 +240,7 @@ SEND_AS_EACH_STEP_ENDS = [
 
 
 def test_an_engine_that_never_waits_reports_each_step_as_it_ends() -> None:
-    assert _run_scripted(waits=set(), overlap=True) == SEND_AS_EACH_STEP_ENDS
-
-
-def test_without_overlap_each_step_reports_as_it_ends() -> None:
-    assert _run_scripted(waits=EVERY_STEP, overlap=False) == SEND_AS_EACH_STEP_ENDS
+    assert _run_scripted(waits=set()) == SEND_AS_EACH_STEP_ENDS
 
 
 def test_a_sink_that_fails_in_the_wait_ends_the_loop_without_failing_the_jobs() -> None:
@@ -261,7 +257,7 @@ def test_a_sink_that_fails_in_the_wait_ends_the_loop_without_failing_the_jobs() 
         if report.fatal is not None:
             fatal.set()
 
-    loop = EngineLoop(ScriptedEngine([], waits=EVERY_STEP), overlap_reports=True)
+    loop = EngineLoop(ScriptedEngine([], waits=EVERY_STEP))
     loop.start(sink)
     loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
     assert fatal.wait(5)
@@ -270,7 +266,7 @@ def test_a_sink_that_fails_in_the_wait_ends_the_loop_without_failing_the_jobs() 
     assert "BrokenPipeError" in (reports[-1].fatal or "")
 
 
-def _run_with_arrivals(admit_in_wait: bool) -> tuple[list[str], list[EngineOutput]]:
+def _run_with_arrivals() -> tuple[list[str], list[EngineOutput]]:
     """Job a runs; while step 2 waits for the GPU, three commands arrive: add b (refused),
     cancel a, add c."""
     log: list[str] = []
@@ -290,7 +286,7 @@ def _run_with_arrivals(admit_in_wait: bool) -> tuple[list[str], list[EngineOutpu
         loop.add_many([("c", GenerationRequest(prompt="x", max_new_tokens=2))])
 
     engine = ScriptedEngine(log, waits=EVERY_STEP, arrivals={2: arrive})
-    loop = EngineLoop(engine, overlap_reports=True, admit_in_wait=admit_in_wait)
+    loop = EngineLoop(engine)
     loop.start(sink)
     loop.add_many([("a", GenerationRequest(prompt="one two three four", max_new_tokens=4))])
     assert done.wait(5)
@@ -303,7 +299,7 @@ def _without_reports(log: list[str]) -> list[str]:
 
 
 def test_jobs_that_arrive_while_a_step_waits_are_added_in_the_wait_in_order() -> None:
-    log, outputs = _run_with_arrivals(admit_in_wait=True)
+    log, outputs = _run_with_arrivals()
     # b's refusal goes out with step 2's report, the first after the step.
     after_step_2 = log[log.index("end 2") :]
     assert next(line for line in after_step_2 if line.startswith("report")) == "report b"
@@ -319,21 +315,6 @@ def test_jobs_that_arrive_while_a_step_waits_are_added_in_the_wait_in_order() ->
     ]
     assert JobErrored("b", "invalid_request", "refused") in outputs
     assert JobEnded("a", "cancelled", 4, 2) in outputs
-
-
-def test_without_admit_in_wait_jobs_are_added_between_steps() -> None:
-    log, outputs = _run_with_arrivals(admit_in_wait=False)
-    assert _without_reports(log)[:8] == [
-        "add a",
-        "step 1",
-        "end 1",
-        "step 2",
-        "end 2",
-        "add b",
-        "cancel a",
-        "add c",
-    ]
-    assert JobErrored("b", "invalid_request", "refused") in outputs
 
 
 class ReadyingEngine(ScriptedEngine):
@@ -352,7 +333,7 @@ class ReadyingEngine(ScriptedEngine):
         return []
 
 
-def _run_readying(admit_in_wait: bool) -> tuple[ReadyingEngine, list[str], list[StepReport]]:
+def _run_readying() -> tuple[ReadyingEngine, list[str], list[StepReport]]:
     log: list[str] = []
     reports: list[StepReport] = []
     done = threading.Event()
@@ -363,7 +344,7 @@ def _run_readying(admit_in_wait: bool) -> tuple[ReadyingEngine, list[str], list[
             done.set()
 
     engine = ReadyingEngine(log)
-    loop = EngineLoop(engine, overlap_reports=False, admit_in_wait=admit_in_wait)
+    loop = EngineLoop(engine)
     loop.start(sink)
     loop.add_many([("a", GenerationRequest(prompt="one two", max_new_tokens=2))])
     assert done.wait(5)
@@ -372,7 +353,7 @@ def _run_readying(admit_in_wait: bool) -> tuple[ReadyingEngine, list[str], list[
 
 
 def test_the_wait_readies_the_next_step_and_its_ends_go_with_the_step() -> None:
-    _, log, reports = _run_readying(admit_in_wait=True)
+    _, log, reports = _run_readying()
     # Once in each step's wait, after the step began and before it ended.
     assert [line for line in log if not line.startswith("add ")] == [
         "step 1",
@@ -384,11 +365,6 @@ def test_the_wait_readies_the_next_step_and_its_ends_go_with_the_step() -> None:
     ]
     errors = [o for o in reports[0].outputs if isinstance(o, JobErrored)]
     assert errors == [JobErrored("late", "engine_error", "RuntimeError: no pages")]
-
-
-def test_without_admit_in_wait_the_wait_readies_nothing() -> None:
-    engine, _, _ = _run_readying(admit_in_wait=False)
-    assert engine.readied == 0
 
 
 def test_a_stopped_loop_leaves_no_wait_work_in_the_engine() -> None:

@@ -10,13 +10,13 @@ from typing import Any
 
 from exlq.protocol.models import GenerationRequest, InvalidRequest
 from exlq.worker.engine_loop import EngineLoop, StepReport
-from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored
+from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, PreparesJobs
 from exlq.worker.engines.echo.engine import EchoEngine
 from exlq.worker.offer_round import OFFER_PART, OfferRound
 from tests.engine_reports import collect_ends
 
 
-class OfferEngine(EchoEngine):
+class OfferEngine(EchoEngine, PreparesJobs):
     """Echo that logs its intake; prepare() refuses prompts saying 'refuse'."""
 
     def __init__(self) -> None:
@@ -59,6 +59,23 @@ def _started(engine: OfferEngine) -> tuple[OfferEngine, EngineLoop, queue.Simple
     loop = EngineLoop(engine)
     loop.start(reports.put)
     return engine, loop, reports
+
+
+def test_an_engine_that_prepares_nothing_gets_offered_jobs_whole_at_their_admit() -> None:
+    # The echo engine declares no PreparesJobs: an offer only holds the request, and the
+    # admit adds it; a job the admit does not name never reaches the engine.
+    engine = EchoEngine(capacity=4, tokens_per_second=2000)
+    reports: queue.SimpleQueue[StepReport] = queue.SimpleQueue()
+    loop = EngineLoop(engine)
+    loop.start(reports.put)
+    loop.offer(1, [("a", _request("one")), ("b", _request("two"))])
+    loop.admit(1, [("a", None)])
+    ended = collect_ends(reports, 1)
+    loop.stop(5)
+    assert [(e.job_id, e.finish_reason) for e in ended if isinstance(e, JobEnded)] == [
+        ("a", "length")
+    ]
+    assert engine.active_jobs == 0
 
 
 def test_offered_jobs_wait_for_the_admit_which_starts_the_named_ones_together() -> None:
@@ -174,7 +191,7 @@ def test_an_offer_round_sends_parts_as_they_fill_and_names_offered_jobs_by_id() 
     assert len(runner.calls) == 5
 
 
-def test_a_withdrawn_round_drops_its_offers_and_a_disabled_one_hands_over_whole() -> None:
+def test_a_withdrawn_round_drops_its_offers() -> None:
     runner = RecordingRunner()
     unsent = OfferRound(runner, 1)  # type: ignore[arg-type]
     unsent.withdraw()
@@ -184,13 +201,6 @@ def test_a_withdrawn_round_drops_its_offers_and_a_disabled_one_hands_over_whole(
         withdrawn.offer(request)  # j0 goes at once, j1 waits for a full part
     withdrawn.withdraw()
     assert runner.calls == [("offer", 2, ["j0"]), ("admit", 2, [])]  # j1 never goes
-
-    off = OfferRound(runner, 3, enabled=False)  # type: ignore[arg-type]
-    requests = _requests(2)
-    for request in requests:
-        off.offer(request)
-    off.admit([(r.id, r) for r in requests])
-    assert runner.calls[2:] == [("add", [(r.id, r) for r in requests])]
 
 
 def test_an_early_admit_starts_the_offered_jobs_and_the_later_admit_brings_only_the_rest() -> None:
@@ -220,7 +230,3 @@ def test_an_early_admit_starts_the_offered_jobs_and_the_later_admit_brings_only_
     offers.admit([("live", live)])
     offers.withdraw()
     assert len(runner.calls) == 4  # nothing more: the round is over in the engine
-
-    off = OfferRound(runner, 5, enabled=False)  # type: ignore[arg-type]
-    off.offer(live)
-    assert off.admit_early(now) == [] and len(runner.calls) == 4

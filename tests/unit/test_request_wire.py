@@ -173,8 +173,8 @@ def test_an_id_too_large_for_32_bits_crosses_as_it_is(ids: list[int]) -> None:
 def test_an_engine_makes_the_same_text_of_either_form(request_: GenerationRequest) -> None:
     assert echo_text(_crossed(request_)) == echo_text(request_)
     engine = EchoEngine(capacity=2, tokens_per_second=1_000_000)
-    engine.admit("plain", engine.prepare("plain", request_))
-    engine.admit("packed", engine.prepare("packed", _crossed(request_)))
+    engine.add("plain", request_)
+    engine.add("packed", _crossed(request_))
     texts: dict[str, str] = {"plain": "", "packed": ""}
     while engine.active_jobs:
         for output in engine.step():
@@ -183,7 +183,7 @@ def test_an_engine_makes_the_same_text_of_either_form(request_: GenerationReques
 
 
 def test_the_engine_process_sends_requests_encoded() -> None:
-    process = EngineProcess(WorkerSettings(engine="echo"))
+    process = EngineProcess(WorkerSettings.load(engine="echo"))
     sent: list[tuple[Any, ...]] = []
     process._send = sent.append  # type: ignore[method-assign]
     first, second = _requests()[:2]

@@ -1,47 +1,55 @@
-"""exlq_worker_info says how the engine runs, as loading turned out, not as asked."""
+"""exlq_worker_info says the version, the engine and how it runs, as loading turned out."""
 
 from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from exlq import __version__
 from exlq.worker.engine_loop import EngineLoop
-from exlq.worker.engines.base import EngineSetup
 from exlq.worker.engines.echo.engine import EchoEngine
 from exlq.worker.metrics import Metrics
 
 
-def test_worker_info_carries_the_engine_setup() -> None:
-    metrics = Metrics("q")
-    metrics.info("1.0", "exllamav2", "llama", EngineSetup("exlq", True, False, 4096, 8192, True))
+def _info_line(metrics: Metrics) -> str:
     lines = [
         line
         for line in generate_latest(metrics.registry).decode().splitlines()
         if line.startswith("exlq_worker_info{")
     ]
     assert len(lines) == 1
+    return lines[0]
+
+
+def test_worker_info_carries_the_version_engine_model_and_the_engines_own_labels() -> None:
+    metrics = Metrics("q")
+    metrics.info(__version__, "exllamav2", "llama", {"attention": "exlq", "decode_graphs": "off"})
+    line = _info_line(metrics)
     for label in (
-        'attention="exlq"',
-        'decode_graphs="on"',
-        'gpu_sampling="off"',
-        'prefill_batch_tokens="4096"',
-        'admit_prompt_tokens="8192"',
-        'gpu_embedding="on"',
+        'queue="q"',
+        f'version="{__version__}"',
         'engine="exllamav2"',
+        'model="llama"',
+        'attention="exlq"',
+        'decode_graphs="off"',
     ):
-        assert label in lines[0]
+        assert label in line
 
 
 class _GraphsFellBack(EchoEngine):
     """An engine whose graphs were asked for and could not be captured."""
 
-    attention = "exlq"
-    decode_graphs = False
-    gpu_sampling = True
-    prefill_batch_tokens = 2048
-    admit_prompt_tokens = 1024
+    def info(self) -> dict[str, str]:
+        return {"decode_graphs": "off"}
 
 
 def test_the_runner_reports_what_the_engine_ended_up_with() -> None:
-    runner = EngineLoop(_GraphsFellBack(capacity=2, tokens_per_second=100))
-    assert runner.setup == EngineSetup("exlq", False, True, 2048, 1024)
-    assert EngineLoop(EchoEngine(2, 100)).setup == EngineSetup()
+    assert EngineLoop(_GraphsFellBack(capacity=2, tokens_per_second=100)).info == {
+        "decode_graphs": "off"
+    }
+    assert EngineLoop(EchoEngine(2, 100)).info == {}
+
+
+def test_the_version_is_the_packages_own_from_a_checkout_too() -> None:
+    from importlib.metadata import version
+
+    assert __version__ == version("exlq")

@@ -1,6 +1,9 @@
-"""The decode levers are on by default and each can be turned off by flag or variable."""
+"""Worker settings: flags over EXLQ_* variables, grouped by concern, an engine's options its
+own, and combinations in which a setting would do nothing refused."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import typer
@@ -8,71 +11,88 @@ from typer.testing import CliRunner
 
 from exlq.cli import app
 from exlq.worker.cli import load_settings
+from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
 
 
-def test_cuda_graphs_gpu_sampling_gpu_embedding_and_the_wait_work_default_on() -> None:
-    settings = load_settings(engine="echo")
-    assert settings.cuda_graphs and settings.gpu_sampling and settings.gpu_embedding
-    assert settings.overlap_reports and settings.admit_in_wait
-    assert settings.offer_before_start
+def _model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "Llama-3-8B"
+    model.mkdir()
+    return model
 
 
-def test_variables_turn_them_off_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EXLQ_CUDA_GRAPHS", "false")
-    monkeypatch.setenv("EXLQ_GPU_SAMPLING", "0")
-    monkeypatch.setenv("EXLQ_GPU_EMBEDDING", "no")
-    monkeypatch.setenv("EXLQ_OVERLAP_REPORTS", "false")
-    monkeypatch.setenv("EXLQ_ADMIT_IN_WAIT", "false")
-    monkeypatch.setenv("EXLQ_OFFER_BEFORE_START", "false")
-    settings = load_settings(engine="echo")
-    assert not settings.cuda_graphs and not settings.gpu_sampling and not settings.gpu_embedding
-    assert not settings.overlap_reports and not settings.admit_in_wait
-    assert not settings.offer_before_start
-    assert load_settings(engine="echo", offer_before_start=True).offer_before_start
-    assert load_settings(engine="echo", overlap_reports=True).overlap_reports
-    assert load_settings(engine="echo", admit_in_wait=True).admit_in_wait
-    assert load_settings(engine="echo", cuda_graphs=True).cuda_graphs
-    assert load_settings(engine="echo", gpu_embedding=True).gpu_embedding
-
-
-def test_a_bad_value_names_the_setting(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_flags_win_over_variables_and_land_in_their_group(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("EXLQ_GPU_SAMPLING", "sometimes")
-    with pytest.raises(typer.Exit) as exc:
-        load_settings(engine="echo")
-    assert exc.value.exit_code == 2
-    assert "gpu_sampling" in capsys.readouterr().err
+    monkeypatch.setenv("EXLQ_REDIS_URL", "redis://from-env:6379/0")
+    monkeypatch.setenv("EXLQ_MAX_BATCH_SIZE", "16")
+    settings = load_settings(engine="echo", max_batch_size=4, claim_idle_ms=5000)
+    assert settings.broker.redis_url == "redis://from-env:6379/0"
+    assert settings.serving.max_batch_size == 4
+    assert settings.broker.claim_idle_ms == 5000
+    assert settings.queue_name == "default"
 
 
-def test_worker_and_up_offer_the_flags() -> None:
-    for command in ("worker", "up"):
-        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
-        assert result.exit_code == 0
-        assert "--no-cuda-graphs" in result.output, command
-        assert "--no-gpu-embedding" in result.output, command
-        assert "--no-gpu-sampling" in result.output, command
-        assert "--no-overlap-reports" in result.output, command
-        assert "--no-admit-in-wait" in result.output, command
-        assert "--no-offer-before-start" in result.output, command
-    worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
-    assert "--prefill-batch-tokens" in worker_help
-    assert "--admit-prompt-tokens" in worker_help
+def test_the_exllamav2_levers_are_on_by_default_and_options_turn_them_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model_dir(tmp_path)
+    options = load_settings(model=model).engine_options
+    assert isinstance(options, ExLlamaV2Settings)
+    assert options.cuda_graphs and options.gpu_sampling and options.gpu_embedding
+    assert (options.prefill_batch_tokens, options.admit_prompt_tokens) == (4096, 8192)
+    monkeypatch.setenv("EXLQ_EXLLAMAV2_GPU_SAMPLING", "false")
+    options = load_settings(["cuda_graphs=false", "admit-prompt-tokens=0"], model=model)
+    assert isinstance(options.engine_options, ExLlamaV2Settings)
+    off = options.engine_options
+    assert not off.cuda_graphs and not off.gpu_sampling and off.admit_prompt_tokens == 0
+    assert load_settings(model=model).queue_name == "Llama-3-8B"
 
 
 @pytest.mark.parametrize(
-    ("field", "default", "flag_value"),
+    ("args", "flags", "expected"),
     [
-        ("prefill_batch_tokens", 4096, 8192),  # batched prefill, a pass of this many tokens
-        ("admit_prompt_tokens", 8192, 4096),  # the admission budget: two such passes a step
+        (["-o", "gpu_sampling=sometimes"], {}, "gpu_sampling"),  # a bad value names its option
+        (["-o", "cache_tokens=1000000", "-o", "warp=9"], {}, "warp"),  # an unknown one too
+        (["-o", "tokens_per_second"], {"engine": "echo"}, "NAME=VALUE"),
+        ([], {"engine": "warp-drive"}, "unknown engine 'warp-drive'"),
+        ([], {"engine": "exllamav2"}, "needs --model"),
+        ([], {"max_batch_size": 0}, "max_batch_size"),
     ],
 )
-def test_the_token_budgets_are_on_by_default_zero_turns_them_off_and_flags_win(
-    monkeypatch: pytest.MonkeyPatch, field: str, default: int, flag_value: int
+def test_a_bad_setting_exits_naming_what_to_fix(
+    args: list[str],
+    flags: dict[str, object],
+    expected: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert getattr(load_settings(engine="echo"), field) == default
-    monkeypatch.setenv(f"EXLQ_{field.upper()}", "0")
-    assert getattr(load_settings(engine="echo"), field) == 0
-    assert getattr(load_settings(engine="echo", **{field: flag_value}), field) == flag_value
+    given = {"model": _model_dir(tmp_path)} if not flags else {}
+    with pytest.raises(typer.Exit) as exc:
+        load_settings(args[1::2] if args and args[0] == "-o" else args, **given, **flags)
+    assert exc.value.exit_code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_echo_refuses_a_model_it_would_ignore(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(typer.Exit):
-        load_settings(engine="echo", **{field: -1})
+        load_settings(engine="echo", model=_model_dir(tmp_path))
+    assert "takes no model" in capsys.readouterr().err
+
+
+def test_engines_lists_each_engine_with_its_options() -> None:
+    result = CliRunner().invoke(app, ["engines"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "echo:" in result.output and "exllamav2:" in result.output
+    assert "-o cache_tokens=65536" in result.output
+    assert "$EXLQ_EXLLAMAV2_CACHE_TOKENS" in result.output
+
+
+def test_worker_and_up_take_engine_options_and_no_path_switches() -> None:
+    for command in ("worker", "up"):
+        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0
+        assert "--option" in result.output, command
+        for gone in ("--overlap-reports", "--admit-in-wait", "--offer-before-start"):
+            assert gone not in result.output, command

@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from exlq.worker.engines.base import EngineUnavailable
-from exlq.worker.settings import AttentionChoice
+from exlq.worker.engines.exllamav2.settings import AttentionChoice
 
 log = logging.getLogger(__name__)
 
