@@ -21,18 +21,18 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Any:
-    from exlq.worker.engines.exllamav2.engine import load_exllamav2_engine
+    from exlq.worker.engines import build_engine
     from exlq.worker.settings import WorkerSettings
 
-    settings = WorkerSettings(model=model_dir, max_batch_size=16, cache_tokens=16_384)
-    loaded = load_exllamav2_engine(settings)
-    print(f"\nexllamav2 engine: attention={loaded.attention} capacity={loaded.capacity}")
-    assert loaded.attention in ("exlq", "flash-attn") and loaded.capacity == 16
+    settings = WorkerSettings.load({"cache_tokens": 16_384}, model=model_dir, max_batch_size=16)
+    loaded = build_engine("exllamav2", settings.load_request())
+    info = loaded.info()
+    print(f"\nexllamav2 engine: {info} capacity={loaded.capacity}")
+    assert info["attention"] in ("exlq", "flash-attn") and loaded.capacity == 16
     # The defaults hold on one GPU with an fp16 model: graphs, GPU sampling, the embedding
     # table on the GPU, batched prefill.
-    setup = loaded.setup
-    assert (setup.decode_graphs, setup.gpu_sampling, setup.gpu_embedding) == (True, True, True)
-    assert 0 < setup.prefill_batch_tokens <= settings.prefill_batch_tokens
+    assert (info["decode_graphs"], info["gpu_sampling"], info["gpu_embedding"]) == ("on",) * 3
+    assert 0 < int(info["prefill_batch_tokens"]) <= 4096
     yield loaded
     loaded.close()
 

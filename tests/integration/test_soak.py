@@ -24,6 +24,7 @@ WORKERS = 3
 TTL_S = 5
 CHAOS = {
     "EXLQ_CLAIM_IDLE_MS": "1000",
+    "EXLQ_ENGINE_RUNNER": "thread",  # one process a worker: the soak kills and starts many
     "EXLQ_HEARTBEAT_SECONDS": "0.5",
     "EXLQ_RESULT_TTL_SECONDS": str(TTL_S),
     "EXLQ_TRIM_INTERVAL_SECONDS": "0.5",
@@ -36,10 +37,8 @@ def start(redis_url: str, queue: str) -> subprocess.Popen[str]:
         queue,
         "--engine",
         "echo",
-        "--engine-runner",
-        "thread",
-        "--echo-tokens-per-second",
-        "100",
+        "-o",
+        "tokens_per_second=100",
         "--max-batch-size",
         "8",
         "--log-level",
