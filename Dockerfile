@@ -59,7 +59,7 @@ ARG EXLLAMAV2_VERSION=0.3.2
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
 ARG MAX_JOBS=8
 # Optional: a URL or path of a prebuilt flash-attn wheel matching torch/CUDA/Python.
-# Without flash-attn >= 2.5.7 the worker uses EXLQ_ATTENTION=exlq (its own paged attention).
+# Without flash-attn >= 2.5.7 the worker uses EXLQ_EXLLAMAV2_ATTENTION=exlq (its own paged attention).
 ARG FLASH_ATTN_WHEEL=""
 
 ENV DEBIAN_FRONTEND=noninteractive \

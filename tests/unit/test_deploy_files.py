@@ -53,3 +53,35 @@ def test_counters_end_in_total_and_carry_no_job_ids() -> None:
     assert "exlq_time_to_first_token_seconds_bucket" in names
     text = generate_latest(Metrics("q").registry).decode()
     assert "job_id" not in text and 'id="' not in text
+
+
+def _known_variables() -> set[str]:
+    """Every EXLQ_* variable a worker reads: its settings' groups and each engine's."""
+    from exlq.worker.engines.base import EngineUnavailable
+    from exlq.worker.engines.registry import BUILTIN, find
+    from exlq.worker.limits import RequestLimits
+    from exlq.worker.settings import BrokerSettings, ServingSettings
+
+    groups: list[type] = [BrokerSettings, ServingSettings, RequestLimits]
+    for name in BUILTIN:
+        try:
+            groups.append(find(name).settings)
+        except EngineUnavailable:  # an engine whose package is not installed here
+            continue
+    return {
+        f"{group.model_config['env_prefix']}{field}".upper()  # type: ignore[attr-defined]
+        for group in groups
+        for field in group.model_fields  # type: ignore[attr-defined]
+    }
+
+
+def test_deploy_files_set_only_variables_a_worker_reads() -> None:
+    known = _known_variables()
+    configmap = yaml.safe_load((ROOT / "deploy/kubernetes/configmap.yaml").read_text())
+    compose = yaml.safe_load((ROOT / "deploy/docker-compose.yml").read_text())
+    given = {name for name in configmap["data"] if name.startswith("EXLQ_")}
+    for service in compose["services"].values():
+        environment = service.get("environment") or {}
+        given |= {name for name in environment if name.startswith("EXLQ_")}
+    assert given, "no EXLQ_ variable found: the files' shape changed"
+    assert given <= known, f"set but read by no worker: {sorted(given - known)}"
