@@ -39,8 +39,8 @@ WS_STATS = "EXLQ_WS_STATS"
 # Every system idles this long before its timed burst, as a server meets a burst after a
 # quiet spell. exlq's engine is idle while the burst travels to it; an engine that started
 # right after its warm-up jobs met it busy, and on the H100 that was worth 1.1-2.1 ms of
-# TTFT at one job (20 and 200 ms idle alike; a spinning CPU, 0.4 at most). Measured by
-# bench.idle_start (bench/results/2026-11-23-H100-paired/idle-*.json).
+# TTFT at one job (20 and 200 ms idle alike; a spinning CPU, 0.4 at most). The runs are at
+# edd6206: git show edd6206:bench/results/2026-11-23-H100-paired/idle-start-1b.json
 IDLE_BEFORE_RUN_S = 0.1
 
 
