@@ -260,11 +260,11 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     # at 1 and 8 jobs (1B, H100): its wake-ups took the GIL back from the engine thread in
     # the middle of exllamav2's host code, 0.2 ms a step.
     def send_report(report: StepReport) -> None:
-        with send_lock:
-            reports.send(("report", encode_report(report)))
         if tracing.tracer is not None:
             held_ms = (time.time() - report.finished_at) * 1000  # held for the next GPU wait
             tracing.tracer.stage("report_sent", outputs=len(report.outputs), held_ms=held_ms)
+        with send_lock:
+            reports.send(("report", encode_report(report)))
 
     loop.start(send_report)
     try:

@@ -39,7 +39,7 @@ Stage = Literal[
     "built_ahead",  # the idle engine built offered jobs ahead of their admit
     "step_begun",  # an engine step begins: active
     "step_ended",  # it ended
-    "report_sent",  # the engine process wrote a step's report to its pipe: outputs, held_ms
+    "report_sent",  # the engine process sends a step's report down its pipe: outputs, held_ms
     # either process, from a FileTracer
     "collected",  # a collection of 1 ms or more ended: begin, generation
 ]
@@ -92,7 +92,7 @@ class FileTracer:
         os.close(self._fd)
 
 
-class _CollectionClock:
+class CollectionClock:
     """A gc callback that reports each collection of ``COLLECTION_MIN_S`` or more as it ends."""
 
     def __init__(self, to: Tracer) -> None:
@@ -116,4 +116,4 @@ def trace_to_file(path: Path | None) -> None:
         return
     file_tracer = FileTracer(path)
     install(file_tracer)
-    gc.callbacks.append(_CollectionClock(file_tracer))
+    gc.callbacks.append(CollectionClock(file_tracer))
