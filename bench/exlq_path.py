@@ -247,14 +247,15 @@ class ExlqPath:
         self.max_batch_size = max_batch_size
         self.options = dict(options or {})
         self.args = ["--engine", engine, "--queue", QUEUE, "--max-batch-size", str(max_batch_size)]
+        # Absolute: the worker runs in the repository's root, not in this process's folder.
         if find(engine).needs_model:
-            self.args += ["--model", str(self.model_dir)]
+            self.args += ["--model", str(self.model_dir.resolve())]
         for name, value in self.options.items():
             shown = str(value).lower() if isinstance(value, bool) else str(value)
             self.args += ["-o", f"{name}={shown}"]
         self.env = {"EXLQ_ENGINE_RUNNER": engine_runner}
         if trace_file is not None:
-            self.env["EXLQ_TRACE_FILE"] = str(trace_file)
+            self.env["EXLQ_TRACE_FILE"] = str(trace_file.resolve())
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus
         self.redis_cpus = redis_cpus
