@@ -2,9 +2,10 @@
 
 The worker calls its tracer at a few named stages (a piece begun, a job parsed, a step
 begun, a report sent, ...) as ``if tracing.tracer is not None: tracing.tracer.stage(...)``:
-with none installed, a stage costs one global read. A tracer stamps each stage with
-``time.perf_counter()``, which on Linux is CLOCK_MONOTONIC, one clock for every process of
-the machine, so a benchmark can line both of the worker's processes up with its own.
+with none installed, a stage costs an attribute read and a comparison. A tracer stamps
+each stage with ``time.perf_counter()``, which on Linux is CLOCK_MONOTONIC, one clock for
+every process of the machine, so a benchmark can line both of the worker's processes up
+with its own.
 
 ``install(tracer)`` sets this process's tracer (tests, a worker in-process). The engine
 process is spawned and starts with none: a worker whose settings name a trace file
@@ -70,7 +71,8 @@ class Recorder:
         self.records: list[tuple[float, Stage, dict[str, Field]]] = []
 
     def stage(self, name: Stage, /, **fields: Field) -> None:
-        self.records.append((time.perf_counter(), name, fields))  # append holds the GIL
+        # One append: the engine's thread and the event loop may record at once.
+        self.records.append((time.perf_counter(), name, fields))
 
     def names(self) -> list[Stage]:
         return [name for _, name, _ in self.records]
