@@ -39,8 +39,8 @@ WS_STATS = "EXLQ_WS_STATS"
 # Every system idles this long before its timed burst, as a server meets a burst after a
 # quiet spell. exlq's engine is idle while the burst travels to it; an engine that started
 # right after its warm-up jobs met it busy, and on the H100 that was worth 1.1-2.1 ms of
-# TTFT at one job (20 and 200 ms idle alike; a spinning CPU, 0.4 at most). Measured by
-# bench.idle_start (bench/results/2026-11-23-H100-paired/idle-*.json).
+# TTFT at one job (20 and 200 ms idle alike; a spinning CPU, 0.4 at most). The runs are at
+# edd6206: git show edd6206:bench/results/2026-11-23-H100-paired/idle-start-1b.json
 IDLE_BEFORE_RUN_S = 0.1
 
 
@@ -369,6 +369,10 @@ def warm_up_jobs(generator: Any, prompts: list[list[int]]) -> None:
         generator.iterate()
 
 
+# Told of each timed step of a run on a dynamic generator: its begin and end (perf_counter).
+StepClock = Callable[[float, float], None]
+
+
 def run_dynamic(
     generator: Any,
     model_dir: str | Path,
@@ -377,6 +381,7 @@ def run_dynamic(
     seed: int,
     system: str,
     idle_s: float = IDLE_BEFORE_RUN_S,
+    on_step: StepClock | None = None,
 ) -> dict[str, Any]:
     """One timed run on a loaded dynamic generator: the prompts enqueued at once, greedy, no
     stop conditions (no EOS), iterated until every job ends.
@@ -384,7 +389,8 @@ def run_dynamic(
     The clock starts when the prompts are in hand, before their jobs are built, as exlq's
     starts when its client submits them: a server on this generator builds a job for each
     request it gets (about 0.1 ms each on the H100, exllamav2's own Python). ``build_ms``
-    says how long that took. The generator idles ``idle_s`` first."""
+    says how long that took. The generator idles ``idle_s`` first. ``on_step`` is told of
+    each iterate() (bench.path_trace)."""
     import torch
 
     exl_gen = importlib.import_module("exllamav2.generator")
@@ -410,7 +416,10 @@ def run_dynamic(
     while generator.num_remaining_jobs():
         ts = time.perf_counter()
         results = generator.iterate()
-        log.record(results, ts, time.perf_counter())
+        te = time.perf_counter()
+        log.record(results, ts, te)
+        if on_step is not None:
+            on_step(ts, te)
     out = _summarize(
         system=system,
         model_dir=model_dir,

@@ -2,16 +2,16 @@
 
 On the virtual GPU machines the benches ran on, one fixed piece of pure-Python work took
 from 0.9 to 2.1 ms within seconds, on an otherwise idle CPU, whatever this machine's own
-load (bench/results/2026-11-23-H100-cpu-speed/). The GPU's own times held steady (a
-captured decode step replayed in 1.81-1.87 ms, run after run). The engines' steps are
-host-bound, so a run's tok/s follows the speed its CPU happened to have: the decode step
-of one 32-job run correlated 0.72 with this probe taken around it.
+load (`git show edd6206:bench/results/2026-11-23-H100-cpu-speed/README.md`). The GPU's
+own times held steady (a captured decode step replayed in 1.81-1.87 ms, run after run).
+The engines' steps are host-bound, so a run's tok/s follows the speed its CPU happened to
+have: the decode step of one 32-job run correlated 0.72 with this probe taken around it.
 
-The speed moves on each CPU apart from the others (bench.cpu_speed: the quarter-second
-medians of CPUs probed at once correlated -0.2 to 0.3 with each other's), so a probe speaks
-for its own CPU only. `bench.paired` probes each of the system's CPUs right before and
-right after each run, and keeps the probes of the CPU its stepping thread ran on. A pair
-whose two runs met different speeds compares the CPUs as much as the systems;
+The speed moves on each CPU apart from the others (the quarter-second medians of CPUs
+probed at once correlated -0.2 to 0.3 with each other's), so a probe speaks for its own
+CPU only. `bench.paired` probes each of the system's CPUs right before and right after
+each run, and keeps the probes of the CPU its stepping thread ran on. A pair whose two
+runs met different speeds compares the CPUs as much as the systems;
 `at_equal_speed` fits the pairs' log ratios against the log ratio of their probes and
 gives the ratio where the probes agree.
 """

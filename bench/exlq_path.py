@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -19,41 +19,21 @@ from bench.baselines import IDLE_BEFORE_RUN_S, _summarize, percentiles, random_p
 from bench.placement import on_cpus
 from exlq.producer import AsyncProducer, DoneEvent, TokenEvent
 from exlq.worker.embedded_redis import RedisServer, free_port
-from exlq.worker.settings import WorkerSettings
+from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
+from exlq.worker.engines.registry import find
 
-# The worker's defaults, which every bench gives both its systems unless told otherwise.
-PREFILL_BATCH_TOKENS: int = WorkerSettings.model_fields["prefill_batch_tokens"].default
-ADMIT_PROMPT_TOKENS: int = WorkerSettings.model_fields["admit_prompt_tokens"].default
-GPU_EMBEDDING: bool = WorkerSettings.model_fields["gpu_embedding"].default
-
-# Switches of the worker alone, which an engine without the queue does not have: each is a
-# WorkerSettings field (its default is the worker's) and a --name/--no-name flag.
-WORKER_SWITCHES: dict[str, str] = {
-    "overlap_reports": "the worker sends a step's tokens while the next step waits for the "
-    "GPU (off: as each step ends)",
-    "admit_in_wait": "the worker's engine takes in new jobs and builds the next step's while "
-    "the GPU runs a step (off: between steps)",
-    "offer_before_start": "the worker offers a piece's jobs to its engine as it parses them, "
-    "so the engine builds them while Redis runs the start script (off: after it)",
-    "admit_before_start": "the worker starts a piece's offered jobs while Redis runs the "
-    "start script, and stops those it refuses (off: after the script)",
-}
-
-
-def switch_flag(name: str, on: bool) -> str:
-    """A boolean setting as the worker's CLI spells it: --name or --no-name."""
-    flag = name.replace("_", "-")
-    return f"--{flag}" if on else f"--no-{flag}"
-
-
-def switch_default(name: str) -> bool:
-    return bool(WorkerSettings.model_fields[name].default)
+# The exllamav2 engine's defaults, which every bench gives both its systems unless told
+# otherwise.
+_DEFAULTS = ExLlamaV2Settings.model_fields
+CACHE_TOKENS: int = _DEFAULTS["cache_tokens"].default
+PREFILL_BATCH_TOKENS: int = _DEFAULTS["prefill_batch_tokens"].default
+ADMIT_PROMPT_TOKENS: int = _DEFAULTS["admit_prompt_tokens"].default
+GPU_EMBEDDING: bool = _DEFAULTS["gpu_embedding"].default
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
-    """The engine settings a bench gives exlq's engine alike, alone and in the worker."""
-    ap.add_argument("--cache-tokens", type=int, default=65536)
-    ap.add_argument("--sampling-threads", type=int, default=1)
+    """The engine options a bench gives exlq's engine alike, alone and in the worker."""
+    ap.add_argument("--cache-tokens", type=int, default=CACHE_TOKENS)
     ap.add_argument(
         "--prefill-batch-tokens",
         type=int,
@@ -72,22 +52,6 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         default=GPU_EMBEDDING,
         help="the embedding table on the GPU (off: in system memory, as exllamav2 loads it)",
     )
-
-
-def add_worker_options(ap: argparse.ArgumentParser) -> None:
-    """The worker's switches (WORKER_SWITCHES), each defaulting to the worker's default."""
-    for name, help_text in WORKER_SWITCHES.items():
-        ap.add_argument(
-            switch_flag(name, True),
-            action=argparse.BooleanOptionalAction,
-            default=switch_default(name),
-            help=help_text,
-        )
-
-
-def worker_options(args: argparse.Namespace) -> dict[str, bool]:
-    """The worker's switches as parsed, for ExlqPath(worker_switches=...)."""
-    return {name: bool(getattr(args, name)) for name in WORKER_SWITCHES}
 
 
 def add_client_options(ap: argparse.ArgumentParser) -> None:
@@ -119,11 +83,10 @@ def freeze_loaded_objects() -> None:
 
 
 class EngineOptions(TypedDict):
-    """add_engine_options' values, as the keywords EngineAlone, ExlqPath and the generator
-    benches take."""
+    """add_engine_options' values: the keywords EngineAlone and the generator benches take,
+    and the worker's exllamav2 options (-o NAME=VALUE) with ``worker_options``."""
 
     cache_tokens: int
-    sampling_threads: int
     prefill_batch_tokens: int
     admit_prompt_tokens: int
     gpu_embedding: bool
@@ -132,11 +95,16 @@ class EngineOptions(TypedDict):
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     return {
         "cache_tokens": args.cache_tokens,
-        "sampling_threads": args.sampling_threads,
         "prefill_batch_tokens": args.prefill_batch_tokens,
         "admit_prompt_tokens": args.admit_prompt_tokens,
         "gpu_embedding": args.gpu_embedding,
     }
+
+
+def worker_options(options: EngineOptions) -> dict[str, object]:
+    """The exllamav2 options of a worker that runs as the engine alone does: the same
+    options, and exlq's attention kernel, which the engine alone installs."""
+    return {**options, "attention": "exlq"}
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,44 +112,20 @@ QUEUE = "bench"
 
 
 class WorkerProcess:
-    """`exlq worker` on the model, in a process of its own, as users run it."""
+    """`exlq worker` in a process of its own, as users run it."""
 
     def __init__(
-        self,
-        model_dir: Path,
-        redis_url: str,
-        options: dict[str, str],
-        cpus: frozenset[int] | None = None,
-        module: str = "exlq",
-        env: dict[str, str] | None = None,
-        flags: Sequence[str] = (),
+        self, args: Sequence[str], env: Mapping[str, str], cpus: frozenset[int] | None
     ) -> None:
-        """``options`` are flags with a value; ``flags`` stand alone (--no-gpu-embedding)."""
+        """``args`` follow `exlq worker`; ``env`` is added to this process's environment."""
         self.metrics_port = free_port()
-        args = [
-            "--model",
-            str(model_dir),
-            "--queue",
-            QUEUE,
-            "--redis-url",
-            redis_url,
-            "--metrics-port",
-            str(self.metrics_port),
-            "--log-level",
-            "WARNING",
-        ]
-        for flag, value in options.items():
-            args += [flag, value]
-        args += flags
         log_path = os.environ.get("EXLQ_BENCH_WORKER_LOG", "/tmp/exlq-bench-worker.log")
         self.log = open(log_path, "a")  # noqa: SIM115 - lives with the process
+        command = [sys.executable, "-m", "exlq", "worker", *args]
+        command += ["--metrics-port", str(self.metrics_port), "--log-level", "WARNING"]
         with on_cpus(cpus):  # the worker inherits this thread's CPUs
             self.process = subprocess.Popen(
-                [sys.executable, "-m", module, "worker", *args],
-                cwd=ROOT,
-                env=os.environ | (env or {}),
-                stdout=self.log,
-                stderr=subprocess.STDOUT,
+                command, cwd=ROOT, env=os.environ | env, stdout=self.log, stderr=subprocess.STDOUT
             )
 
     def _url(self, path: str) -> str:
@@ -216,21 +160,6 @@ class WorkerProcess:
             self.process.kill()
             self.process.wait()
         self.log.close()
-
-
-def worker_gpu_memory_gib() -> float | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    used = [float(x) for x in out.split()]
-    return max(used) / 1024 if used else None
 
 
 async def _run_point(
@@ -302,46 +231,34 @@ class ExlqPath:
         model_dir: str | Path,
         *,
         max_batch_size: int,
-        cache_tokens: int = 65536,
-        attention: str = "auto",
-        sampling_threads: int = 1,
+        options: Mapping[str, object] | None = None,
+        engine: str = "exllamav2",
         engine_runner: str = "process",
-        prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
-        admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
-        gpu_embedding: bool = GPU_EMBEDDING,
-        worker_switches: dict[str, bool] | None = None,
         worker_cpus: frozenset[int] | None = None,
         redis_cpus: frozenset[int] | None = None,
-        engine: str = "exllamav2",
-        worker_module: str = "exlq",
-        worker_env: dict[str, str] | None = None,
+        trace_file: Path | None = None,
         pack_ids: bool = False,
     ) -> None:
-        """``worker_module`` runs the worker's CLI (bench.path_trace runs it traced), with
-        ``worker_env`` added to this process's environment. ``pack_ids``: the SDK sends
-        prompts as input_ids_b64 (AsyncProducer(pack_ids=...))."""
+        """``options`` are the engine's (`exlq worker -o NAME=VALUE`); ``engine_runner`` is
+        EXLQ_ENGINE_RUNNER. ``trace_file``: the worker's processes trace their stages into
+        it (EXLQ_TRACE_FILE, exlq.worker.tracing; bench.path_trace). ``pack_ids``: the SDK
+        sends prompts as input_ids_b64 (AsyncProducer(pack_ids=...))."""
         self.model_dir = Path(model_dir)
-        self.options = {
-            "--engine": engine,
-            "--max-batch-size": str(max_batch_size),
-            "--cache-tokens": str(cache_tokens),
-            "--attention": attention,
-            "--sampling-threads": str(sampling_threads),
-            "--engine-runner": engine_runner,
-            "--prefill-batch-tokens": str(prefill_batch_tokens),
-            "--admit-prompt-tokens": str(admit_prompt_tokens),
-        }
-        switches = {name: switch_default(name) for name in WORKER_SWITCHES}
-        switches.update(worker_switches or {})
-        self.flags = [
-            switch_flag("gpu_embedding", gpu_embedding),
-            *(switch_flag(name, on) for name, on in switches.items()),
-        ]
+        self.max_batch_size = max_batch_size
+        self.options = dict(options or {})
+        self.args = ["--engine", engine, "--queue", QUEUE, "--max-batch-size", str(max_batch_size)]
+        # Absolute: the worker runs in the repository's root, not in this process's folder.
+        if find(engine).needs_model:
+            self.args += ["--model", str(self.model_dir.resolve())]
+        for name, value in self.options.items():
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            self.args += ["-o", f"{name}={shown}"]
+        self.env = {"EXLQ_ENGINE_RUNNER": engine_runner}
+        if trace_file is not None:
+            self.env["EXLQ_TRACE_FILE"] = str(trace_file.resolve())
         self.system = "exlq" if engine_runner == "process" else f"exlq-{engine_runner}"
         self.worker_cpus = worker_cpus
         self.redis_cpus = redis_cpus
-        self.worker_module = worker_module
-        self.worker_env = worker_env
         self.pack_ids = pack_ids
         self.load_s = 0.0
         self._redis = RedisServer()
@@ -354,15 +271,8 @@ class ExlqPath:
         with on_cpus(self.redis_cpus):  # Redis inherits this thread's CPUs
             self._redis.__enter__()
         try:
-            self._worker = WorkerProcess(
-                self.model_dir,
-                self._redis.url,
-                self.options,
-                self.worker_cpus,
-                self.worker_module,
-                self.worker_env,
-                self.flags,
-            )
+            args = [*self.args, "--redis-url", self._redis.url]
+            self._worker = WorkerProcess(args, self.env, self.worker_cpus)
             self.load_s = self._worker.wait_ready()
         except BaseException:
             self.__exit__(None, None, None)
@@ -438,9 +348,9 @@ class ExlqPath:
                 "sdk_pack_ids": self.pack_ids,
                 "steps": int(steps),
                 "step_ms_mean": step_sum / steps * 1000 if steps else None,
-                "max_batch_size": int(self.options["--max-batch-size"]),
-                "cache_tokens": int(self.options["--cache-tokens"]),
-                "attention": self.options["--attention"],
+                "max_batch_size": self.max_batch_size,
+                "cache_tokens": self.options.get("cache_tokens"),
+                "attention": self.options.get("attention"),
                 "load_s": self.load_s,
                 # Where the TTFT goes: the client's submit() (subscribe + enqueue), the
                 # worker's enqueue -> start and enqueue -> first token.
@@ -461,29 +371,18 @@ def bench_exlq(
     prompt_tokens: int,
     max_new_tokens: int,
     *,
-    cache_tokens: int = 65536,
-    max_batch_size: int | None = None,
-    attention: str = "auto",
-    sampling_threads: int = 1,
+    options: Mapping[str, object],
     engine_runner: str = "process",
-    prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
-    admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
-    gpu_embedding: bool = GPU_EMBEDDING,
     worker_cpus: frozenset[int] | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """One worker (max_batch_size = the largest concurrency unless given) serves every point."""
+    """One worker (max_batch_size = the largest concurrency) serves every point."""
     results = []
     with ExlqPath(
         model_dir,
-        max_batch_size=max_batch_size or max(concurrencies),
-        cache_tokens=cache_tokens,
-        attention=attention,
-        sampling_threads=sampling_threads,
+        max_batch_size=max(concurrencies),
+        options=options,
         engine_runner=engine_runner,
-        prefill_batch_tokens=prefill_batch_tokens,
-        admit_prompt_tokens=admit_prompt_tokens,
-        gpu_embedding=gpu_embedding,
         worker_cpus=worker_cpus,
     ) as path:
         for n in concurrencies:

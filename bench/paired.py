@@ -36,11 +36,8 @@ from bench.exlq_path import (
     ExlqPath,
     add_client_options,
     add_engine_options,
-    add_worker_options,
     engine_options,
     freeze_loaded_objects,
-    switch_default,
-    switch_flag,
     worker_options,
 )
 from bench.gpu_clocks import ClockRecorder, run_figures
@@ -60,7 +57,6 @@ class EngineAlone:
         max_batch_size: int,
         cache_tokens: int,
         prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
-        sampling_threads: int = 1,
         admit_prompt_tokens: int = ADMIT_PROMPT_TOKENS,
         gpu_embedding: bool = GPU_EMBEDDING,
     ) -> None:
@@ -73,7 +69,7 @@ class EngineAlone:
             cache_tokens,
             True,
             None,
-            sampling_threads,
+            1,  # CPU sampling threads: exlq's engine always runs one
             True,
             prefill_batch_tokens,
             admit_prompt_tokens,
@@ -84,13 +80,24 @@ class EngineAlone:
         importlib.import_module("exlq.worker.engines.exllamav2.load").warm_up(self.loaded)
 
     def run(
-        self, prompts: list[list[int]], warm_up: list[list[int]], max_new_tokens: int
+        self,
+        prompts: list[list[int]],
+        warm_up: list[list[int]],
+        max_new_tokens: int,
+        on_step: baselines.StepClock | None = None,
     ) -> dict[str, Any]:
-        """Short jobs on the warm-up prompts first, as (b) runs them through its producer."""
+        """Short jobs on the warm-up prompts first, as (b) runs them through its producer;
+        ``on_step`` gets each timed step's begin and end (perf_counter)."""
         baselines.warm_up_jobs(self.generator, warm_up)
         before = thread_clock.snapshot([os.getpid()])
         row = baselines.run_dynamic(
-            self.generator, self.model_dir, prompts, max_new_tokens, 0, system="exlq-engine"
+            self.generator,
+            self.model_dir,
+            prompts,
+            max_new_tokens,
+            0,
+            system="exlq-engine",
+            on_step=on_step,
         )
         spent = thread_clock.diff(before, thread_clock.snapshot([os.getpid()]))
         row.update(thread_clock.stepper_figures(spent, row["steps"]))
@@ -118,12 +125,10 @@ def measure(
             ExlqPath(
                 model,
                 max_batch_size=biggest,
-                attention="exlq",
+                options=worker_options(engine_options(args)),
                 worker_cpus=place.server,
                 redis_cpus=place.load,
-                worker_switches=worker_options(args),
                 pack_ids=args.pack_ids,
-                **engine_options(args),
             ) as path,
         ):
             if args.freeze_gc:
@@ -576,7 +581,6 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("-m", "--max-new-tokens", type=int, default=128)
     add_engine_options(ap)  # both systems alike
-    add_worker_options(ap)
     add_client_options(ap)
     ap.add_argument("--worker-cpus", default="auto", help="as for bench.run")
     ap.add_argument(
@@ -609,11 +613,6 @@ def main() -> None:
         + ("" if args.freeze_gc else " --no-freeze-gc")
         + (" --pack-ids" if args.pack_ids else "")
         + ("" if args.stepper_cpu == "auto" else f" --stepper-cpu {args.stepper_cpu}")
-        + "".join(
-            f" {switch_flag(name, on)}"
-            for name, on in worker_options(args).items()
-            if on != switch_default(name)
-        )
         + (
             ""
             if args.admit_prompt_tokens == ADMIT_PROMPT_TOKENS

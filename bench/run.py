@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench.exlq_path import add_engine_options, bench_exlq, engine_options
+from bench.exlq_path import add_engine_options, bench_exlq, engine_options, worker_options
 from bench.make_checkpoint import model_for
 from bench.placement import AUTO_MIN_CPUS, AUTO_SERVER_CPUS, Placement, on_cpus, placement
 
@@ -94,6 +94,9 @@ def run_shape(
                 attn_patch=exlq_attention_patch,
                 max_batch_size=max(args.concurrency),
                 exlq_decode=exlq_decode,
+                # One CPU sampling thread, as exlq's engine always runs: measured faster
+                # than exllamav2's default of 16 (docs/PERFORMANCE.md), so (a) gets it too.
+                sampling_threads=1,
                 **engine_options(args),
                 **point,
             )
@@ -107,10 +110,9 @@ def run_shape(
         "b": lambda: bench_exlq(
             model,
             args.concurrency,
-            attention="exlq",
+            options=worker_options(engine_options(args)),
             engine_runner=args.engine_runner,
             worker_cpus=place.server,
-            **engine_options(args),
             **point,
         ),
         "c": lambda: (

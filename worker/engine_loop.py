@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, cast
 
 from exlq.protocol.models import InvalidRequest
+from exlq.worker import tracing
 from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
@@ -343,8 +344,12 @@ class EngineLoop:
                 offered = self._offered.setdefault(command.round, {})
                 for job_id, request in command.jobs:
                     offered[job_id] = self._prepare(job_id, request)
+                if tracing.tracer is not None:
+                    tracing.tracer.stage("offer_prepared", n=len(command.jobs))
             else:
                 self._admit(command, outputs)
+                if tracing.tracer is not None:
+                    tracing.tracer.stage("jobs_added", n=len(command.jobs))
         return True
 
     def _admit(self, command: Admit, outputs: list[EngineOutput]) -> None:
@@ -403,9 +408,13 @@ class EngineLoop:
             raise
         except Exception:  # the jobs are built, or fail, at their step as without it
             log.exception("building offered jobs ahead failed")
+        if tracing.tracer is not None:
+            tracing.tracer.stage("built_ahead")
 
     def _step(self, outputs: list[EngineOutput]) -> float:
         jobs = self.engine.active_jobs
+        if tracing.tracer is not None:
+            tracing.tracer.stage("step_begun", active=jobs)
         started = time.perf_counter()
         try:
             outputs.extend(self.engine.step())
@@ -419,6 +428,8 @@ class EngineLoop:
                 JobErrored(job_id, "engine_error", message) for job_id in self.engine.abort_all()
             )
         seconds = time.perf_counter() - started
+        if tracing.tracer is not None:
+            tracing.tracer.stage("step_ended")
         if self.collections is not None:
             # Steps that never wait (prefills, an engine without waits) end the hold too.
             self.collections.step_ran(HELD_STEPS_MAX)

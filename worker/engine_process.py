@@ -8,10 +8,12 @@ import contextlib
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, overload
 
+from exlq.worker import tracing
 from exlq.worker.command_pipe import FrameReader, FrameWriter, widen_pipe
 from exlq.worker.engine_loop import (
     Admit,
@@ -174,10 +176,14 @@ class EngineProcess:
     def offer(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
             self._send(("offer", round_id, _encoded(jobs)))
+            if tracing.tracer is not None:
+                tracing.tracer.stage("offer_sent", n=len(jobs))
 
     def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
         # The requests offered in this round cross the pipe once: admit names them by id.
         self._send(("admit", round_id, _encoded(jobs)))
+        if tracing.tracer is not None:
+            tracing.tracer.stage("admit_sent", n=len(jobs))
 
     def cancel(self, job_id: str) -> None:
         self._send(("cancel", job_id))
@@ -229,6 +235,7 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     logging.basicConfig(
         level=settings.serving.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    tracing.trace_to_file(settings.serving.trace_file)  # spawned: the worker's tracer is not here
     from exlq.worker.engines import build_engine
 
     try:
@@ -253,6 +260,9 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     # at 1 and 8 jobs (1B, H100): its wake-ups took the GIL back from the engine thread in
     # the middle of exllamav2's host code, 0.2 ms a step.
     def send_report(report: StepReport) -> None:
+        if tracing.tracer is not None:
+            held_ms = (time.time() - report.finished_at) * 1000  # held for the next GPU wait
+            tracing.tracer.stage("report_sent", outputs=len(report.outputs), held_ms=held_ms)
         with send_lock:
             reports.send(("report", encode_report(report)))
 
@@ -322,6 +332,8 @@ def command_source(reader: FrameReader) -> CommandSource:
 def command_from(message: tuple[Any, ...]) -> Command:
     """One of the worker's messages as the engine loop's command."""
     kind = message[0]
+    if tracing.tracer is not None:
+        tracing.tracer.stage("command_read", kind=kind)
     if kind == "add":
         return Admit(None, _decoded(message[1]))
     if kind == "offer":

@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 
 from exlq._version import __version__
 from exlq.protocol.keys import QueueKeys
+from exlq.worker import tracing
 from exlq.worker.broker import Broker
 from exlq.worker.engine_loop import EngineLoop, EngineRunner
 from exlq.worker.engine_process import EngineProcess
@@ -44,6 +45,7 @@ def run_worker(settings: WorkerSettings) -> int:
     logging.basicConfig(
         level=settings.serving.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    tracing.trace_to_file(settings.serving.trace_file)  # the engine process starts its own
     try:
         return asyncio.run(serve(settings))
     except StartupError as exc:

@@ -26,6 +26,7 @@ from exlq.protocol.models import (
     JobResult,
     parse_request,
 )
+from exlq.worker import tracing
 from exlq.worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
 from exlq.worker.early_starts import EarlyStarts
 from exlq.worker.engine_loop import EngineRunner, StepReport
@@ -209,6 +210,8 @@ class Worker:
             await self._accept_piece(piece, read_behind and len(piece) < ACCEPT_PIECE)
 
     async def _accept_piece(self, entries: list[StreamEntry], read_behind: bool = False) -> None:
+        if tracing.tracer is not None:
+            tracing.tracer.stage("piece_begun", n=len(entries))
         batch = Batch()
         decoded: list[tuple[StreamEntry, GenerationRequest]] = []
         # The engine readies the piece's jobs while the worker parses the rest and runs the
@@ -255,6 +258,8 @@ class Worker:
             except InvalidRequest as exc:
                 self._reject(batch, entry, str(exc))
                 continue
+            if tracing.tracer is not None:
+                tracing.tracer.stage("job_parsed")
             decoded.append((entry, request))
             if request.id not in self.held:
                 offers.offer(request)
@@ -325,6 +330,8 @@ class Worker:
         decisions = await self.broker.start_jobs(
             [(request.id, entry.entry_id) for entry, request in decoded]
         )
+        if tracing.tracer is not None:
+            tracing.tracer.stage("piece_started", n=len(decoded))
         now = time.time()
         admitted: list[tuple[str, GenerationRequest]] = []
         for (entry, request), decision in zip(decoded, decisions, strict=True):
@@ -472,6 +479,8 @@ class Worker:
                 self._note_held()
 
     def _take_report(self, batch: Batch, report: StepReport, ended: list[str]) -> None:
+        if tracing.tracer is not None:
+            tracing.tracer.stage("report_received", outputs=len(report.outputs))
         if report.fatal is not None:
             log.critical("engine died (%s); exiting so the jobs run elsewhere", report.fatal)
             self.exit_code = EXIT_ENGINE_DEAD
@@ -555,6 +564,8 @@ class Worker:
 
     async def commit(self, batch: Batch) -> None:
         """Write a batch, retrying through Redis outages: a lost batch would lose events."""
+        if tracing.tracer is not None:
+            tracing.tracer.stage("commit_begun")
         try:
             # Tried once without the retry machinery first: building tenacity's loop cost
             # 80 µs a commit on the development machine, on the way of every token.
@@ -563,6 +574,8 @@ class Worker:
             self.set_redis_ok(False)
             log.warning("writing to Redis failed (%s); retrying", exc)
             lost = await self._commit_retrying(batch)
+        if tracing.tracer is not None:
+            tracing.tracer.stage("commit_ended")
         self.set_redis_ok(True)
         for entry_id in lost:
             log.warning("entry %s was taken over by another worker; its result is theirs", entry_id)

@@ -81,6 +81,11 @@ class ServingSettings(BaseSettings):
     metrics_port: int = Field(9400, ge=0, le=65535, description="0 picks a free port")
     grace_seconds: float = Field(30.0, ge=0, description="time running jobs get on SIGTERM")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    trace_file: Path | None = Field(
+        None,
+        description="append a JSON line for each stage of a job's path, from both of the "
+        "worker's processes, to this file (worker/tracing.py); for benchmarks only",
+    )
 
 
 @dataclass(frozen=True)

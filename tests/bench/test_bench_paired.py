@@ -225,21 +225,33 @@ def test_pooling_files_of_two_shapes_is_refused(tmp_path: Path) -> None:
         pool([tmp_path / "1b.json", tmp_path / "8b.json"])
 
 
-def test_the_worker_switches_the_bench_passes_are_flags_the_worker_takes() -> None:
-    """ExlqPath spells each worker switch as the worker's CLI does, on and off."""
+def test_the_worker_starts_with_the_engine_alones_options_as_its_cli_takes_them(
+    tmp_path: Path,
+) -> None:
+    """ExlqPath's arguments are flags of `exlq worker`, and its -o pairs parse into the
+    exllamav2 engine's options with the values the engine alone was given."""
     from typer.testing import CliRunner
 
-    from bench.exlq_path import WORKER_SWITCHES, ExlqPath
+    from bench.exlq_path import EngineOptions, ExlqPath, worker_options
     from exlq.cli import app
+    from exlq.worker.cli import engine_options as option_pairs
+    from exlq.worker.engines.registry import find
 
+    alone: EngineOptions = {
+        "cache_tokens": 16384,
+        "prefill_batch_tokens": 0,
+        "admit_prompt_tokens": 4096,
+        "gpu_embedding": False,
+    }
+    path = ExlqPath(tmp_path, max_batch_size=4, options=worker_options(alone))
     worker_help = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "200"}).output
-    for on in (True, False):
-        flags = ExlqPath(
-            "/m", max_batch_size=1, worker_switches=dict.fromkeys(WORKER_SWITCHES, on)
-        ).flags
-        assert len(flags) == len(WORKER_SWITCHES) + 1  # and --gpu-embedding
-        for flag in flags:
-            assert flag in worker_help, flag
+    for flag in (arg for arg in path.args if arg.startswith("-")):
+        assert flag in worker_help, flag
+    pairs = [path.args[i + 1] for i, arg in enumerate(path.args) if arg == "-o"]
+    settings = find("exllamav2").options(option_pairs(pairs))
+    assert {name: getattr(settings, name) for name in alone} == alone
+    assert settings.attention == "exlq"  # the kernel the engine alone installs
+    assert path.env == {"EXLQ_ENGINE_RUNNER": "process"}
 
 
 def _clocked_run(system: str, repeat: int, sm_first: int, reasons: list[str]) -> dict[str, Any]:
