@@ -31,7 +31,6 @@ from exlq.worker.early_starts import EarlyStarts
 from exlq.worker.engine_loop import EngineRunner, StepReport
 from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
 from exlq.worker.gc_pauses import collections_deferred
-from exlq.worker.limits import RequestLimits
 from exlq.worker.metrics import Metrics
 from exlq.worker.offer_round import OfferRound
 from exlq.worker.running_job import RunningJob
@@ -63,7 +62,7 @@ class Worker:
         self.engine = engine
         self.broker = broker
         self.metrics = metrics
-        self.limits = RequestLimits.from_settings(settings)
+        self.limits = settings.limits
         self.capacity = engine.capacity
         self.held: dict[str, RunningJob] = {}
         self.peak_held = 0

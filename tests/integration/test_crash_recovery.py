@@ -31,7 +31,7 @@ async def test_kill_9_mid_stream_the_job_completes_on_another_worker(
     redis_url: str, queue_name: str
 ) -> None:
     doomed = worker_process(
-        redis_url, queue_name, "--engine", "echo", "--echo-tokens-per-second", "20", **FAST_RECLAIM
+        redis_url, queue_name, "--engine", "echo", "-o", "tokens_per_second=20", **FAST_RECLAIM
     )
     survivor: subprocess.Popen[str] | None = None
     try:
@@ -47,8 +47,8 @@ async def test_kill_9_mid_stream_the_job_completes_on_another_worker(
                 queue_name,
                 "--engine",
                 "echo",
-                "--echo-tokens-per-second",
-                "200",
+                "-o",
+                "tokens_per_second=200",
                 **FAST_RECLAIM,
             )
             async with asyncio.timeout(60):

@@ -402,7 +402,7 @@ async def test_every_raw_entry_ends_acked_with_a_result_or_a_dead_letter(
 ) -> None:
     keys = QueueKeys(queue_name)
     tag = f"fz{next(_runs)}"
-    limits = RequestLimits.from_settings(echo_worker.worker.settings)
+    limits = echo_worker.worker.settings.limits
     expects = materialise(tag, specs, limits)
     for expect in expects:
         event(

@@ -36,14 +36,13 @@ def start(redis_url: str, queue: str) -> subprocess.Popen[str]:
         queue,
         "--engine",
         "echo",
-        "--engine-runner",
-        "thread",
-        "--echo-tokens-per-second",
-        "100",
+        "-o",
+        "tokens_per_second=100",
         "--max-batch-size",
         "8",
         "--log-level",
         "WARNING",
+        EXLQ_ENGINE_RUNNER="thread",
         **CHAOS,
     )
 

@@ -25,8 +25,8 @@ async def test_sigterm_lets_running_jobs_finish_then_exits_0(
         queue_name,
         "--engine",
         "echo",
-        "--echo-tokens-per-second",
-        "20",
+        "-o",
+        "tokens_per_second=20",
         "--max-batch-size",
         "4",
     )
