@@ -8,10 +8,10 @@ are taken in together (Piece): each is offered to the engine as it is parsed, al
 started before Redis's start script answers, and the script's verdict then runs each or
 settles it. A running job holds a slot until its end, from the engine, is committed:
 
-    PARSED -> OFFERED -> STARTED -> RUNNING -> ENDED -> COMMITTED
-                                      |  \\        ^
-                                      |   STOPPING (cancel, deadline)
-                                      LOST (its entry was taken over; nothing written)
+    PARSED -> OFFERED -> STARTED -> RUNNING ------------------------> ENDED -> COMMITTED
+                                       +-> STOPPING (cancel, deadline) --^
+                                       +-> LOST (entry taken over) -----^
+                                           (nothing written for it)
 
 and the verdict may instead settle a job that never ran, out of the book: SKIPPED (it
 ended already, or another entry runs it), FAILED (its state key is unusable, or it ran out
