@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import array
 import operator
-import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
@@ -182,15 +181,15 @@ def _packed_ids(ids: Sequence[int]) -> array.array[int] | WideIds:
 
 def pack_ids(ids: Sequence[int]) -> array.array[int] | tuple[int, ...]:
     """Token ids as a uint32 array (kept as they are if they are one already); a tuple if
-    one does not fit. The array is filled from struct.pack's bytes: for 256 ids that took
-    half the time of array("q", ids), which converts and stores one item at a time."""
+    one does not fit. For 256 ids, array("I", ids) took three quarters of the time of
+    filling the array from struct.pack's bytes, and under half of array("q", ids) (development
+    machine, CPython 3.11 to 3.13)."""
     if isinstance(ids, array.array) and ids.typecode == "I":
         return ids
     try:
-        packed = struct.pack(f"{len(ids)}I", *ids)
-    except struct.error:  # an id past 32 bits
+        return array.array("I", ids)
+    except OverflowError:  # an id past 32 bits
         return tuple(ids)
-    return _uint32_array(packed)
 
 
 def _uint32_array(data: bytes | memoryview) -> array.array[int]:
