@@ -33,6 +33,7 @@ WHEELS=(
     "pydantic-settings==2.16.3"
     "python-dotenv==1.2.4"         # pydantic-settings
     "tenacity==9.2.1"
+    "msgspec==0.22.0"              # the engine process's pipe messages (worker)
     "websockets==17.4"             # gateway; exllamav2's websocket server (bench baseline c)
     # the `exlq` CLI: the image has typer/click of unknown version, so carry these
     # (typer 0.29 vendors its own click and needs pydantic, rich, shellingham,
