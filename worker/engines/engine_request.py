@@ -12,9 +12,9 @@ step (`docs/PERFORMANCE.md`, "The way in: a request in the engine process's form
 worker packs each request into a PackedRequest, which msgspec writes and reads as a
 MessagePack array (array_like: no field names on the wire, and no Python code per field):
 its ids go as one MessagePack extension holding the bytes of a uint32 array, decoded
-straight into the array the engine reads without a copy. A request whose ids came packed
-(input_ids_b64) holds them as that array from its validation on: the worker never turns
-them into Python ints.
+straight into that array, which the engine reads without another copy. A request whose
+ids came packed (input_ids_b64) holds them as that array from its validation on: the
+worker never turns them into Python ints.
 
 A sampling setting is defined in three places: the wire model
 (exlq.protocol.models.Sampling), EngineSampling here (same name and default), and the
@@ -35,8 +35,8 @@ from exlq.protocol.models import ChatMessage, Sampling
 
 class EngineSampling(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A request's sampling settings in the engine process: Sampling's fields, in its
-    order, with its defaults. ``seed`` is last: the fields before it are what jobs that
-    sample alike share (sampling_settings)."""
+    order, with its defaults. All but ``seed`` are what jobs that sample alike share
+    (sampling_settings)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -52,7 +52,9 @@ class EngineSampling(msgspec.Struct, array_like=True, frozen=True, gc=False):
 # Read by name, in EngineSampling's order: a field added to Sampling and EngineSampling
 # crosses without another line here.
 _SAMPLING_FIELDS = operator.attrgetter(*EngineSampling.__struct_fields__)
-_SETTINGS_FIELDS = operator.attrgetter(*EngineSampling.__struct_fields__[:-1])
+_SETTINGS_FIELDS = operator.attrgetter(
+    *(name for name in EngineSampling.__struct_fields__ if name != "seed")
+)
 
 # What an engine may find in a request's sampling: the wire model (engines on the worker's
 # thread), or the packed form (in an engine process).
