@@ -1,4 +1,4 @@
-"""The worker's commands to its engine process: pickled messages in frames over a pipe.
+"""The worker's commands to its engine process: MessagePack messages in frames over a pipe.
 
 The worker writes (FrameWriter); the engine process's stepping thread reads (FrameReader)
 when it is idle, between steps and while a step waits for the GPU, with no thread of its
@@ -7,7 +7,9 @@ the pipe cannot take at once waits in a buffer that the loop writes once the pip
 The pipe is widened to 1 MiB where Linux allows (widen_pipe), so a step's drain takes a
 burst's offers in one read; a message larger than what the pipe holds is read to its end
 once it has begun, while the worker's loop writes the rest. A frame is its payload's
-length (8 bytes, big-endian) and the pickle."""
+length (8 bytes, big-endian) and the command: one of the engine loop's commands (Offer,
+Admit, Cancel, Stop), which msgspec writes as a MessagePack array, its tag first, and reads
+back as that command, its requests as PackedRequests (engines/engine_request.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,21 @@ import asyncio
 import contextlib
 import fcntl
 import os
-import pickle
 import select
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
+
+import msgspec
+
+from exlq.worker.engine_loop import Admit, Cancel, Command, Offer, Stop
+from exlq.worker.engines.engine_request import (
+    PackedRequest,
+    decode_hook,
+    encode_hook,
+    ext_hook,
+)
 
 _HEADER = struct.Struct("!Q")
 _READ_SIZE = 1 << 20
@@ -39,9 +50,23 @@ def widen_pipe(fd: int, size: int = PIPE_BYTES) -> int:
     return int(fcntl.fcntl(fd, get_size))
 
 
-def encode_frame(message: object) -> bytes:
-    payload = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(payload)) + payload
+# What crosses the pipe: every command the engine loop takes, its requests packed.
+PipeCommand = Offer[PackedRequest] | Admit[PackedRequest] | Cancel | Stop
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=encode_hook)
+_DECODER = msgspec.msgpack.Decoder(PipeCommand, ext_hook=ext_hook, dec_hook=decode_hook)
+
+
+def encode_frame(command: Command) -> bytearray:
+    """One command's frame: written after room for its length, which then goes in front."""
+    frame = bytearray(_HEADER.size)
+    _ENCODER.encode_into(command, frame, _HEADER.size)
+    _HEADER.pack_into(frame, 0, len(frame) - _HEADER.size)
+    return frame
+
+
+def decode_command(payload: bytes | memoryview) -> PipeCommand:
+    """A frame's command (its payload: the frame past its length)."""
+    return cast(PipeCommand, _DECODER.decode(payload))
 
 
 class FrameWriter:
@@ -74,18 +99,18 @@ class FrameWriter:
     def pending_bytes(self) -> int:
         return len(self._pending)
 
-    def send(self, message: object) -> None:
-        """Write one message. A reader that has gone (the engine process died) drops it:
+    def send(self, command: Command) -> None:
+        """Write one command. A reader that has gone (the engine process died) drops it:
         the report pipe tells the worker."""
-        frame = encode_frame(message)
-        with self._lock:
+        with self._lock:  # encoded under it: one thread at a time uses the encoder
             if self.broken:
                 return
+            frame = encode_frame(command)
             loop = self._loop
             if loop is not None and loop.is_closed():  # the worker is shutting down
                 self._loop, loop = None, None
                 os.set_blocking(self._fd, True)
-                frame, self._pending = bytes(self._pending) + frame, bytearray()
+                frame, self._pending = self._pending + frame, bytearray()
             if loop is None:
                 self._write_blocking(frame)
                 return
@@ -107,7 +132,7 @@ class FrameWriter:
             if not self._pending and self._loop is not None:
                 self._loop.remove_writer(self._fd)
 
-    def _write_some(self, data: bytes | bytearray) -> int:
+    def _write_some(self, data: bytearray) -> int:
         try:
             return os.write(self._fd, data)
         except BlockingIOError:
@@ -116,7 +141,7 @@ class FrameWriter:
             self.broken = True
             return 0
 
-    def _write_blocking(self, data: bytes) -> None:
+    def _write_blocking(self, data: bytearray) -> None:
         view = memoryview(data)
         while view:
             try:
@@ -143,8 +168,8 @@ def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[..., object], *args
 
 
 class FrameReader:
-    """Reads whole messages from a pipe. take() returns every message that has arrived; a
-    message whose start has arrived is read to its end first."""
+    """Reads whole commands from a pipe. take() returns every command that has arrived; a
+    command whose start has arrived is read to its end first."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -153,9 +178,9 @@ class FrameReader:
         self._buffer = bytearray()  # the start of a message still arriving
         self._ended = False  # the writer closed its end
 
-    def take(self, block: bool) -> list[Any]:
-        """The messages that have arrived; with ``block``, wait for at least one. Raises
-        EOFError once the writer has closed and every whole message was taken."""
+    def take(self, block: bool) -> list[PipeCommand]:
+        """The commands that have arrived; with ``block``, wait for at least one. Raises
+        EOFError once the writer has closed and every whole command was taken."""
         while True:
             messages = self._read_arrived()
             while self._buffer and not self._ended:
@@ -167,7 +192,7 @@ class FrameReader:
                 raise EOFError("the command pipe was closed")
             self._poll.poll()  # until readable, or the writer closes
 
-    def _read_arrived(self) -> list[Any]:
+    def _read_arrived(self) -> list[PipeCommand]:
         """The whole messages among what the pipe holds now. Between steps, when nothing has
         come, this is one poll() and no read."""
         while not self._ended and self._poll.poll(0):
@@ -179,18 +204,18 @@ class FrameReader:
                 break  # the pipe is empty now; one poll fewer
         return self._whole_messages()
 
-    def _whole_messages(self) -> list[Any]:
+    def _whole_messages(self) -> list[PipeCommand]:
         buffer, start = self._buffer, 0
         if len(buffer) < _HEADER.size:  # a step's look at an empty pipe ends here
             return []
-        messages: list[Any] = []
+        messages: list[PipeCommand] = []
         with memoryview(buffer) as view:
             while len(buffer) - start >= _HEADER.size:
                 (size,) = _HEADER.unpack_from(buffer, start)
                 end = start + _HEADER.size + size
                 if len(buffer) < end:
                     break
-                messages.append(pickle.loads(view[start + _HEADER.size : end]))
+                messages.append(_DECODER.decode(view[start + _HEADER.size : end]))
                 start = end
         if start:
             del buffer[:start]

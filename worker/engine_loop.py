@@ -9,8 +9,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
+
+import msgspec
 
 from exlq.protocol.models import InvalidRequest
 from exlq.worker import tracing
@@ -31,35 +32,41 @@ from exlq.worker.gc_pauses import HeldCollections
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+# The form of the requests a command carries; covariant: a command is frozen, and one that
+# carries PackedRequests is a command of EngineRequests.
+_R = TypeVar("_R", covariant=True)
 
 SLOW_STEP_S = 0.25
 
 
-@dataclass(frozen=True, slots=True)
-class Cancel:
-    job_id: str
+# The commands a worker gives its engine loop. In the engine process they are the pipe's
+# messages (command_pipe): msgspec Structs written as MessagePack arrays, the tag first, and
+# read back as what they were, their requests as PackedRequests.
+class Offer(msgspec.Struct, Generic[_R], array_like=True, frozen=True, gc=False, tag="offer"):
+    """Jobs the worker is about to start (one round: a piece's); none runs until an admit
+    of the round names it."""
 
-
-@dataclass(frozen=True, slots=True)
-class Offer:
     round: int
-    jobs: Sequence[tuple[str, EngineRequest]]
+    jobs: Sequence[tuple[str, _R]]
 
 
-@dataclass(frozen=True, slots=True)
-class Admit:
+class Admit(msgspec.Struct, Generic[_R], array_like=True, frozen=True, gc=False, tag="admit"):
     """Jobs to start in one pass: a request of None is the one offered in ``round``. An
     add_many() is an admit of no round, every request given whole."""
 
     round: int | None
-    jobs: Sequence[tuple[str, EngineRequest | None]]
+    jobs: Sequence[tuple[str, _R | None]]
 
 
-class Stop:
+class Cancel(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="cancel"):
+    job_id: str
+
+
+class Stop(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="stop"):
     pass
 
 
-Command = Offer | Admit | Cancel | Stop
+Command = Offer[EngineRequest] | Admit[EngineRequest] | Cancel | Stop
 # Where the loop's thread takes its commands when they do not come through the loop's own
 # methods: called with block=True only while the engine is idle, it returns the commands
 # that have arrived (at least one when blocking). The engine process's command pipe is one
@@ -69,15 +76,15 @@ CommandSource = Callable[[bool], list[Command]]
 _TAKE_IN = (Offer, Admit)
 
 
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    """What one pass of the loop produced, handed to the event loop in one piece."""
+class StepReport(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="report"):
+    """What one pass of the loop produced, handed to the event loop in one piece (in the
+    engine process, one message of its report pipe)."""
 
     outputs: list[EngineOutput]
     step_seconds: float | None
     active_jobs: int
     cache: CacheUsage
-    finished_at: float = field(default_factory=time.time)
+    finished_at: float = msgspec.field(default_factory=time.time)
     fatal: str | None = None
 
 
@@ -352,7 +359,7 @@ class EngineLoop:
                     tracing.tracer.stage("jobs_added", n=len(command.jobs))
         return True
 
-    def _admit(self, command: Admit, outputs: list[EngineOutput]) -> None:
+    def _admit(self, command: Admit[EngineRequest], outputs: list[EngineOutput]) -> None:
         """Start the round's named jobs in order; its other offers are dropped with it."""
         offered = {} if command.round is None else self._offered.pop(command.round, {})
         for job_id, request in command.jobs:

@@ -11,8 +11,11 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any, overload
+from typing import Any, cast
 
+import msgspec
+
+from exlq.protocol.models import TokenChoices
 from exlq.worker import tracing
 from exlq.worker.command_pipe import FrameReader, FrameWriter, widen_pipe
 from exlq.worker.engine_loop import (
@@ -26,22 +29,8 @@ from exlq.worker.engine_loop import (
     StepReport,
     Stop,
 )
-from exlq.worker.engines.base import (
-    CacheUsage,
-    EngineOutput,
-    EngineUnavailable,
-    JobEnded,
-    JobErrored,
-    TokenChunk,
-    describe_error,
-)
-from exlq.worker.engines.engine_request import (
-    EngineRequest,
-    PackedRequest,
-    WireRequest,
-    decode_request,
-    encode_request,
-)
+from exlq.worker.engines.base import CacheUsage, EngineUnavailable, describe_error
+from exlq.worker.engines.engine_request import EngineRequest, PackedRequest, packed_request
 from exlq.worker.gc_pauses import HeldCollections, freeze_startup_heap
 from exlq.worker.settings import WorkerSettings
 
@@ -86,16 +75,16 @@ class EngineProcess:
             self.close()
             raise EngineUnavailable(f"the engine did not load within {timeout_s:.0f}s")
         try:
-            kind, payload = self._reports.recv()
+            message = decode_message(self._reports.recv_bytes())
         except EOFError:
             self.close()
             raise EngineUnavailable(
                 f"the engine process exited while loading (code {self._process.exitcode})"
             ) from None
-        if kind != "ready":
+        if not isinstance(message, Ready):
             self.close()
-            raise EngineUnavailable(str(payload))
-        self.name, self.capacity, self.info = payload
+            raise EngineUnavailable(message.reason if isinstance(message, Unavailable) else "")
+        self.name, self.capacity, self.info = message.name, message.capacity, message.info
 
     @property
     def pid(self) -> int | None:
@@ -140,7 +129,7 @@ class EngineProcess:
     def _deliver(self, report: ReportSink) -> bool:
         """Read one message and hand a report on; False once nothing more will come."""
         try:
-            kind, payload = self._reports.recv()
+            message = decode_message(self._reports.recv_bytes())
         except (EOFError, OSError):
             code = self._process.exitcode
             report(
@@ -153,9 +142,9 @@ class EngineProcess:
                 )
             )
             return False
-        if kind == "report":
-            report(decode_report(payload))
-        elif kind == "stopped":
+        if isinstance(message, StepReport):
+            report(message)
+        elif isinstance(message, Stopped):
             return False
         return True
 
@@ -166,33 +155,33 @@ class EngineProcess:
             loop.remove_reader(self._reports.fileno())
         self._reading_done.set()
 
-    # Requests cross the pipe as plain tuples (engine_request.WireRequest): pickled and
-    # unpickled in about a µs a job each, where a GenerationRequest took tens, on the way
-    # to a burst's first step; the child decodes them into PackedRequests.
+    # Requests cross the pipe packed (engine_request.PackedRequest), each a MessagePack
+    # array that the child reads as the request its engine takes, where a GenerationRequest
+    # took tens of µs to pickle and unpickle, on the way to a burst's first step.
     def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:  # one message: the child's engine admits them in one pass
-            self._send(("add", _encoded(jobs)))
+            self._send(Admit(None, _packed(jobs)))
 
     def offer(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:
-            self._send(("offer", round_id, _encoded(jobs)))
+            self._send(Offer(round_id, [(job_id, packed_request(r)) for job_id, r in jobs]))
             if tracing.tracer is not None:
                 tracing.tracer.stage("offer_sent", n=len(jobs))
 
     def admit(self, round_id: int, jobs: Sequence[tuple[str, EngineRequest | None]]) -> None:
         # The requests offered in this round cross the pipe once: admit names them by id.
-        self._send(("admit", round_id, _encoded(jobs)))
+        self._send(Admit(round_id, _packed(jobs)))
         if tracing.tracer is not None:
             tracing.tracer.stage("admit_sent", n=len(jobs))
 
     def cancel(self, job_id: str) -> None:
-        self._send(("cancel", job_id))
+        self._send(Cancel(job_id))
 
-    def _send(self, message: tuple[Any, ...]) -> None:
-        self._writer.send(message)  # a dead child drops it: the report pipe says so
+    def _send(self, command: Command) -> None:
+        self._writer.send(command)  # a dead child drops it: the report pipe says so
 
     def stop(self, timeout: float | None = None) -> None:
-        self._send(("stop",))
+        self._send(Stop())
         if self._reader is not None:
             self._reader.join(timeout)
         elif self._loop is not None:
@@ -213,22 +202,11 @@ class EngineProcess:
         self._reports.close()
 
 
-def _encoded(
+def _packed(
     jobs: Sequence[tuple[str, EngineRequest | None]],
-) -> list[tuple[str, WireRequest | None]]:
-    """The jobs with their requests encoded (an admit's None: a job offered before)."""
-    return [(job_id, None if r is None else encode_request(r)) for job_id, r in jobs]
-
-
-@overload
-def _decoded(jobs: Sequence[tuple[str, WireRequest]]) -> list[tuple[str, PackedRequest]]: ...
-@overload
-def _decoded(
-    jobs: Sequence[tuple[str, WireRequest | None]],
-) -> list[tuple[str, PackedRequest | None]]: ...
-def _decoded(jobs: Sequence[tuple[str, WireRequest | None]]) -> list[Any]:
-    """In the child: the jobs with their requests as an engine reads them."""
-    return [(job_id, None if r is None else decode_request(r)) for job_id, r in jobs]
+) -> list[tuple[str, PackedRequest | None]]:
+    """The jobs with their requests packed (an admit's None: a job offered before)."""
+    return [(job_id, None if r is None else packed_request(r)) for job_id, r in jobs]
 
 
 def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:
@@ -241,11 +219,12 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     try:
         engine = build_engine(settings.serving.engine, settings.load_request())
     except EngineUnavailable as exc:
-        reports.send(("unavailable", str(exc)))
+        reports.send_bytes(encode_message(Unavailable(str(exc))))
         return
     except Exception as exc:
         log.exception("engine failed to load")
-        reports.send(("unavailable", f"the engine failed to load: {describe_error(exc)}"))
+        reason = f"the engine failed to load: {describe_error(exc)}"
+        reports.send_bytes(encode_message(Unavailable(reason)))
         return
     # The engine, its model and its libraries are loaded: out of the collector's reach;
     # and no collection pauses a burst on its way to the GPU.
@@ -253,7 +232,7 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     source = command_source(FrameReader(commands.fileno()))
     loop = EngineLoop(engine, HeldCollections(), source)
     freeze_startup_heap()
-    reports.send(("ready", (engine.name, engine.capacity, loop.info)))
+    reports.send_bytes(encode_message(Ready(engine.name, engine.capacity, loop.info)))
     send_lock = threading.Lock()
 
     # On the engine thread, between steps. A sender thread of its own was measured slower
@@ -263,8 +242,8 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
         if tracing.tracer is not None:
             held_ms = (time.time() - report.finished_at) * 1000  # held for the next GPU wait
             tracing.tracer.stage("report_sent", outputs=len(report.outputs), held_ms=held_ms)
-        with send_lock:
-            reports.send(("report", encode_report(report)))
+        with send_lock:  # encoded under it: one thread at a time uses the encoder
+            reports.send_bytes(encode_message(report))
 
     loop.start(send_report)
     try:
@@ -272,49 +251,66 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     finally:
         engine.close()
         with send_lock, contextlib.suppress(OSError):
-            reports.send(("stopped", None))
+            reports.send_bytes(encode_message(Stopped()))
 
 
-# A step report crosses the pipe as plain tuples: pickle takes about 3 us for each frozen
-# dataclass and 0.15 us for a tuple (measured), and the engine thread pays for it between
-# two steps, once for every job that made a token.
-_WireOutput = tuple[Any, ...]
-WireReport = tuple[list[_WireOutput], float | None, int, tuple[int, int], float, str | None]
+# What the engine process sends the worker: once Ready (or Unavailable, and it ends), then a
+# StepReport per pass of its loop, and Stopped last. msgspec writes each as a MessagePack
+# array, its tag first, and reads it back as what it was: a report's outputs stay
+# TokenChunk, JobEnded and JobErrored (engines/base.py). The engine thread writes the
+# reports between two steps, once for every job that made a token.
+class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="ready"):
+    name: str
+    capacity: int
+    info: dict[str, str]
 
 
-def encode_report(report: StepReport) -> WireReport:
-    outputs: list[_WireOutput] = []
-    for output in report.outputs:
-        if isinstance(output, TokenChunk):
-            outputs.append((0, output.job_id, output.text, output.token_ids, output.logprobs))
-        elif isinstance(output, JobEnded):
-            outputs.append(
-                (
-                    1,
-                    output.job_id,
-                    output.finish_reason,
-                    output.prompt_tokens,
-                    output.completion_tokens,
-                    output.cached_tokens,
-                )
-            )
-        else:
-            outputs.append((2, output.job_id, output.code, output.message))
-    cache = (report.cache.pages_used, report.cache.pages_total)
-    return outputs, report.step_seconds, report.active_jobs, cache, report.finished_at, report.fatal
+class Unavailable(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="unavailable"):
+    reason: str
 
 
-def decode_report(wire: WireReport) -> StepReport:
-    encoded, step_seconds, active_jobs, cache, finished_at, fatal = wire
-    outputs: list[EngineOutput] = []
-    for kind, *fields in encoded:
-        if kind == 0:
-            outputs.append(TokenChunk(*fields))
-        elif kind == 1:
-            outputs.append(JobEnded(*fields))
-        else:
-            outputs.append(JobErrored(*fields))
-    return StepReport(outputs, step_seconds, active_jobs, CacheUsage(*cache), finished_at, fatal)
+class Stopped(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="stopped"):
+    pass
+
+
+EngineMessage = StepReport | Ready | Unavailable | Stopped
+
+
+def _encode_hook(value: object) -> object:
+    if isinstance(value, TokenChoices):  # logprobs, when a job asks for them
+        return value.model_dump()
+    raise NotImplementedError(f"no wire form for {type(value).__name__}")
+
+
+def _decode_hook(kind: type, value: Any) -> object:
+    if kind is TokenChoices:
+        return TokenChoices.model_validate(value)
+    raise NotImplementedError(f"no decoding for {kind.__name__}")
+
+
+_MESSAGE_ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
+_MESSAGE_DECODER = msgspec.msgpack.Decoder(EngineMessage, dec_hook=_decode_hook)
+
+
+def encode_message(message: EngineMessage) -> bytes:
+    return _MESSAGE_ENCODER.encode(message)
+
+
+def decode_message(data: bytes) -> EngineMessage:
+    return cast(EngineMessage, _MESSAGE_DECODER.decode(data))
+
+
+def encode_report(report: StepReport) -> bytes:
+    """A step report as the engine thread writes it to the pipe."""
+    return _MESSAGE_ENCODER.encode(report)
+
+
+def decode_report(data: bytes) -> StepReport:
+    """A step report as the worker reads it from the pipe."""
+    message = _MESSAGE_DECODER.decode(data)
+    if not isinstance(message, StepReport):
+        raise ValueError(f"expected a step report, got {type(message).__name__}")
+    return message
 
 
 def command_source(reader: FrameReader) -> CommandSource:
@@ -322,26 +318,12 @@ def command_source(reader: FrameReader) -> CommandSource:
 
     def take(block: bool) -> list[Command]:
         try:
-            return [command_from(message) for message in reader.take(block)]
+            commands: list[Command] = list(reader.take(block))
         except EOFError:  # the worker is gone: nothing will read what we make
             return [Stop()]
+        if tracing.tracer is not None:
+            for command in commands:
+                tracing.tracer.stage("command_read", kind=type(command).__name__.lower())
+        return commands
 
     return take
-
-
-def command_from(message: tuple[Any, ...]) -> Command:
-    """One of the worker's messages as the engine loop's command."""
-    kind = message[0]
-    if tracing.tracer is not None:
-        tracing.tracer.stage("command_read", kind=kind)
-    if kind == "add":
-        return Admit(None, _decoded(message[1]))
-    if kind == "offer":
-        return Offer(message[1], _decoded(message[2]))
-    if kind == "admit":
-        return Admit(message[1], _decoded(message[2]))
-    if kind == "cancel":
-        return Cancel(message[1])
-    if kind == "stop":
-        return Stop()
-    raise ValueError(f"unknown engine command {kind!r}")

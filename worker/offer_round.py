@@ -1,21 +1,21 @@
-"""OfferRound: one piece's jobs offered to the engine before Redis says they start.
+"""OfferRound: the engine's side of one piece: its jobs offered in parts before Redis says
+they start, then started in one admit.
 
 The start script (broker.start_jobs) decides which of a piece's jobs this worker runs: a
 duplicate, an ended or a cancelled job does not. Without offers the engine hears of the
 piece only after that round trip, and then checks and builds every job before its first
-step. With --offer-before-start the worker offers the jobs in parts as it parses them: the
-engine checks and builds the first part while the worker parses the rest and waits for the
-script. The verdict then goes over as one admit, which names each offered job by id and
-drops the offers the script refused. With --admit-before-start the offered jobs are
-admitted once the last part is out, before the verdict (admit_early; the worker stops the
-ones the script then refuses, worker/early_starts.py), and the admit after the script
-brings only what was not started early.
+step. So the worker offers the jobs in parts as it parses them: the engine checks and
+builds the first part while the worker parses the rest. Once the last part is out, one
+admit starts them (start), before the script's verdict: the worker stops the ones it then
+refuses (job_state.Piece). The admit names each offered job by id, so a request crosses
+the pipe once, and ends the round in the engine. Which job is where is job_state's to
+know; this only sends a round's messages.
 """
 
 from __future__ import annotations
 
-from exlq.protocol.models import GenerationRequest
 from exlq.worker.engine_loop import EngineRunner
+from exlq.worker.engines.engine_request import EngineRequest
 
 # A piece's first job is offered alone, the rest in parts of OFFER_PART: the engine, idle
 # when a burst comes, starts on the first job while the worker parses the next eight, and
@@ -29,65 +29,51 @@ OFFER_PART = 8
 
 
 class OfferRound:
-    """The offers of one piece, in order; ends with admit() or withdraw()."""
+    """The offers of one piece, in order, then its admits; ends with start() or withdraw().
+    Each job id is offered once a round (the caller sees to it)."""
 
     def __init__(self, engine: EngineRunner, round_id: int) -> None:
         self.engine = engine
         self.round_id = round_id
-        self.offered: dict[str, GenerationRequest] = {}
-        self._part: list[tuple[str, GenerationRequest]] = []  # offered, not yet sent
-        self.admitted_early: set[str] = set()
+        self._part: list[tuple[str, EngineRequest]] = []  # offered, not yet sent
+        self._sent = False  # a part went out: the engine holds offers of this round
+        self._open = True  # no admit has ended the round in the engine
 
-    def offer(self, request: GenerationRequest) -> None:
-        """Offer a parsed request. An id offered before in this round is not offered again:
-        an admit names an offered job by id, so each id stands for one request."""
-        if request.id in self.offered:
-            return
-        self.offered[request.id] = request
-        self._part.append((request.id, request))
+    def offer(self, job_id: str, request: EngineRequest) -> None:
+        self._part.append((job_id, request))
         if len(self._part) >= (OFFER_PART if self._sent else FIRST_OFFER_PART):
             self.flush()
-
-    @property
-    def _sent(self) -> bool:
-        """Whether a part went out: the engine then holds offers of this round."""
-        return len(self.offered) > len(self._part)
 
     def flush(self) -> None:
         """Send the part offered so far."""
         if self._part:
             self.engine.offer(self.round_id, self._part)
             self._part = []
+            self._sent = True
 
-    def admit_early(self, now: float) -> list[str]:
-        """Start every job offered, in order, before the start script's verdict; a job whose
-        deadline has passed is left to the script (it ends as expired). Returns the ids
-        started. The round's offers are used up: later admits bring their requests whole."""
+    def start(self, job_ids: list[str]) -> None:
+        """Start these offered jobs in one pass, by id, and drop the round's other offers."""
         self.flush()
-        started = [
-            job_id for job_id, request in self.offered.items() if not request.past_deadline(now)
-        ]
-        if started or self._sent:
-            self.engine.admit(self.round_id, [(job_id, None) for job_id in started])
-        self.admitted_early.update(started)
-        self.offered.clear()
-        return started
+        if job_ids or self._sent:
+            self.engine.admit(self.round_id, [(job_id, None) for job_id in job_ids])
+        self._open = False
 
-    def admit(self, jobs: list[tuple[str, GenerationRequest]]) -> None:
-        """Start these jobs, in order; a job offered in this round goes by id alone, and
-        one started early is not started again."""
-        self.flush()
-        named = [
-            (job_id, None if self.offered.get(job_id) is request else request)
-            for job_id, request in jobs
-            if job_id not in self.admitted_early
-        ]
-        if named or self._sent:
-            self.engine.admit(self.round_id, named)
+    def start_whole(self, jobs: list[tuple[str, EngineRequest]]) -> None:
+        """Start these jobs in one pass, their requests given whole: after start(), or in
+        place of it."""
+        if self._open:
+            self.flush()
+            self._open = False
+            if not (jobs or self._sent):
+                return
+        elif not jobs:
+            return
+        self.engine.admit(self.round_id, jobs)
 
     def withdraw(self) -> None:
-        """Start none of them (the start script failed: the entries stay pending in Redis).
-        Jobs started early are the worker's to stop."""
-        if self._sent:
+        """Start none of the jobs offered (no verdict: their entries stay pending in Redis).
+        Jobs started already are the caller's to stop."""
+        if self._open and self._sent:
             self.engine.admit(self.round_id, [])
         self._part = []  # never sent
+        self._open = False

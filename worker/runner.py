@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
@@ -28,14 +27,25 @@ from exlq.protocol.models import (
 )
 from exlq.worker import tracing
 from exlq.worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
-from exlq.worker.early_starts import EarlyStarts
 from exlq.worker.engine_loop import EngineRunner, StepReport
 from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
 from exlq.worker.gc_pauses import collections_deferred
+from exlq.worker.job_state import (
+    CANCELLED,
+    FAILED,
+    HELD,
+    LOST,
+    PUBLISHING,
+    RUNNING,
+    SKIPPED,
+    JobBook,
+    Piece,
+    Stage,
+)
 from exlq.worker.metrics import Metrics
-from exlq.worker.offer_round import OfferRound
 from exlq.worker.running_job import RunningJob
 from exlq.worker.settings import WorkerSettings
+from exlq.worker.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +64,9 @@ EXIT_ENGINE_DEAD = 3
 
 class Worker:
     """Holds at most ``engine.capacity`` jobs: it reads only as many entries as it has free
-    slots, so the backlog stays in Redis where other workers see it."""
+    slots, so the backlog stays in Redis where other workers see it. Where each job is in
+    its life is ``jobs``'s (job_state.JobBook) to know; the worker does the I/O around it:
+    Redis, the events and results, the metrics."""
 
     def __init__(
         self, settings: WorkerSettings, engine: EngineRunner, broker: Broker, metrics: Metrics
@@ -65,8 +77,7 @@ class Worker:
         self.metrics = metrics
         self.limits = settings.limits
         self.capacity = engine.capacity
-        self.held: dict[str, RunningJob] = {}
-        self.peak_held = 0
+        self.jobs = JobBook(engine)
         self.exit_code = EXIT_OK
         self.clock_offset_s = 0.0
         self._reports: asyncio.Queue[StepReport] = asyncio.Queue()
@@ -77,11 +88,9 @@ class Worker:
         self.closing = asyncio.Event()
         self._engine_dead = asyncio.Event()
         self._redis_ok = False
-        self._rounds = itertools.count()  # ids of the pieces offered to the engine
-        self._early = EarlyStarts()
         # One piece is taken in at a time, the read loop's or a reclaim's: a reclaim while
         # a read's piece waits for its start script would settle that piece's early starts
-        # with its own verdict (early_starts.py), and could take back its entries, idle
+        # with its own verdict (job_state.Piece), and could take back its entries, idle
         # until the worker holds them.
         self._intake = asyncio.Lock()
         # Token chunks published, for their metrics: (enqueued at, the job's token before
@@ -94,13 +103,20 @@ class Worker:
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - len(self.held)
+        return self.capacity - self.jobs.held
+
+    @property
+    def held(self) -> dict[str, RunningJob]:
+        """The jobs that hold a slot, by id."""
+        return {job.job_id: job for job in self.jobs.jobs_in(HELD)}
+
+    @property
+    def peak_held(self) -> int:
+        return self.jobs.peak_held
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set, then drain within the grace period. Returns the exit
         code: 0 after a clean stop, EXIT_ENGINE_DEAD if the engine died."""
-        from exlq.worker.upkeep import Upkeep
-
         self.clock_offset_s = await self.broker.clock_offset_s()
         await self.broker.ensure_group()
         self.set_redis_ok(True)
@@ -132,16 +148,16 @@ class Worker:
         self._publish_ready()
         # Let an XREADGROUP in flight return: entries it brings are taken, not lost.
         await reader
-        if not self._engine_dead.is_set() and self.held:
+        if not self._engine_dead.is_set() and self.jobs.held:
             log.info(
                 "stopping: waiting up to %.0fs for %d running jobs",
                 self.settings.serving.grace_seconds,
-                len(self.held),
+                self.jobs.held,
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained(), self.settings.serving.grace_seconds)
-        if self.held:
-            log.warning("leaving %d unfinished jobs pending for another worker", len(self.held))
+        if self.jobs.held:
+            log.warning("leaving %d unfinished jobs pending for another worker", self.jobs.held)
         await asyncio.to_thread(self.engine.stop, 30.0)
         self.closing.set()
         for task in helpers:
@@ -151,7 +167,7 @@ class Worker:
             await self.broker.leave()
 
     async def _drained(self) -> None:
-        while self.held:
+        while self.jobs.held:
             self._slot_freed.clear()
             await self._slot_freed.wait()
 
@@ -194,7 +210,7 @@ class Worker:
             if self.stop_reading.is_set() or self.free_slots <= 0:
                 return
             entries = await self.broker.reclaim(self.free_slots, self.settings.broker.claim_idle_ms)
-            held = {job.entry_id for job in self.held.values()}
+            held = {job.entry_id for job in self.jobs.jobs_in(HELD)}
             taken = [entry for entry in entries if entry.entry_id not in held]
             if taken:
                 log.info("took over %d entries from stopped workers", len(taken))
@@ -213,44 +229,33 @@ class Worker:
         if tracing.tracer is not None:
             tracing.tracer.stage("piece_begun", n=len(entries))
         batch = Batch()
-        decoded: list[tuple[StreamEntry, GenerationRequest]] = []
-        # The engine readies the piece's jobs while the worker parses the rest and runs the
-        # start script (offer_round.py). A job this worker holds is not offered: the engine
-        # runs it under that id already.
-        offers = OfferRound(self.engine, next(self._rounds))
+        # The engine readies the piece's jobs while the worker parses the rest and starts
+        # them before the start script answers (job_state.Piece).
+        piece = self.jobs.piece()
         # No collection pauses the piece's way to the engine (gc_pauses): what falls due
         # runs after the hand-over, while the engine steps.
         with collections_deferred():
             try:
                 if entries[-1].more or read_behind:
-                    await self._gather_burst(entries, batch, decoded, offers)
+                    await self._gather_burst(entries, batch, piece)
                 else:
-                    self._take_in(entries, batch, decoded, offers)
+                    self._take_in(entries, batch, piece)
                 # The engine starts the piece now; the script's refusals stop after.
-                now = time.time()
-                self._early.begin(offers.admit_early(now), now)
-                admitted = await self._start_piece(batch, decoded)
+                piece.start_early(time.time())
+                await self._start_piece(batch, piece)
             except BaseException:
-                offers.withdraw()  # the entries stay pending in Redis
-                self._early.abandon(self.engine)
+                piece.withdraw()  # the entries stay pending in Redis
                 raise
-            # One hand-over: the engine starts the jobs of one piece in the same pass (those
-            # not started already).
-            offers.admit(admitted)
-            self._early.settle({job_id for job_id, _ in admitted}, self.engine)
+            # One hand-over: what the verdict runs and was not started early starts in one
+            # pass; what it refused, started early, stops.
+            piece.hand_over()
         self._note_held()
         if batch:
             await self.commit(batch)
 
-    def _take_in(
-        self,
-        entries: list[StreamEntry],
-        batch: Batch,
-        decoded: list[tuple[StreamEntry, GenerationRequest]],
-        offers: OfferRound,
-    ) -> None:
-        """Parse each entry: a bad one is settled into ``batch``, a good one joins
-        ``decoded`` and is offered to the engine."""
+    def _take_in(self, entries: list[StreamEntry], batch: Batch, piece: Piece) -> None:
+        """Parse each entry: a bad one is settled into ``batch``, a good one joins the
+        piece, which offers it to the engine."""
         for entry in entries:
             self.metrics.job_received()
             try:
@@ -260,17 +265,17 @@ class Worker:
                 continue
             if tracing.tracer is not None:
                 tracing.tracer.stage("job_parsed")
-            decoded.append((entry, request))
-            if request.id not in self.held:
-                offers.offer(request)
+            piece.take(
+                RunningJob(
+                    job_id=request.id,
+                    entry_id=entry.entry_id,
+                    request=request,
+                    channel=self.broker.keys.events(request.id),
+                    enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
+                )
+            )
 
-    async def _gather_burst(
-        self,
-        piece: list[StreamEntry],
-        batch: Batch,
-        decoded: list[tuple[StreamEntry, GenerationRequest]],
-        offers: OfferRound,
-    ) -> None:
+    async def _gather_burst(self, entries: list[StreamEntry], batch: Batch, piece: Piece) -> None:
         """Take the piece in, and read what lands behind it into the piece, up to its full
         size and the free slots. The piece's last entry says more of its burst follows:
         each read blocks, and the wait ends after burst_wait_ms. Otherwise (a read that
@@ -286,14 +291,14 @@ class Worker:
         with the rest of the piece."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.broker.burst_wait_ms / 1000
-        taken, rest = len(piece), piece
-        read = await self._read_ahead(taken, deadline, block=piece[-1].more)
+        taken, rest = len(entries), entries
+        read = await self._read_ahead(taken, deadline, block=entries[-1].more)
         try:
             while True:
-                self._take_in(rest, batch, decoded, offers)
+                self._take_in(rest, batch, piece)
                 if read is None:
                     return
-                offers.flush()
+                piece.flush()
                 try:
                     rest = await read
                 except RedisError:
@@ -322,31 +327,16 @@ class Worker:
                 return None
         return await started_task(self.broker.read(room, wait_ms), name="exlq-burst-read")
 
-    async def _start_piece(
-        self, batch: Batch, decoded: list[tuple[StreamEntry, GenerationRequest]]
-    ) -> list[tuple[str, GenerationRequest]]:
-        """Run the start script for the piece's parsed jobs; settle those it refuses (into
-        ``batch``) and return the ones the engine is to run."""
-        decisions = await self.broker.start_jobs(
-            [(request.id, entry.entry_id) for entry, request in decoded]
-        )
+    async def _start_piece(self, batch: Batch, piece: Piece) -> None:
+        """Run the start script for the piece's jobs; settle those it refuses (into
+        ``batch``) and run the others."""
+        decisions = await self.broker.start_jobs([(job.job_id, job.entry_id) for job in piece.jobs])
         if tracing.tracer is not None:
-            tracing.tracer.stage("piece_started", n=len(decoded))
+            tracing.tracer.stage("piece_started", n=len(piece.jobs))
         now = time.time()
-        admitted: list[tuple[str, GenerationRequest]] = []
-        for (entry, request), decision in zip(decoded, decisions, strict=True):
-            job = RunningJob(
-                job_id=request.id,
-                entry_id=entry.entry_id,
-                request=request,
-                attempt=max(decision.attempt, 1),
-                channel=self.broker.keys.events(request.id),
-                enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
-                started_at=self._early.started_at(request.id, now),
-            )
-            if self._start(batch, job, decision, now):
-                admitted.append((job.job_id, request))
-        return admitted
+        for job, decision in zip(piece.jobs, decisions, strict=True):
+            piece.judged(job, decision.attempt, now)
+            self._start(batch, piece, job, decision, now)
 
     def _decode(self, entry: StreamEntry) -> GenerationRequest:
         if entry.payload is None:
@@ -356,38 +346,54 @@ class Worker:
         self.limits.check(request)
         return request
 
-    def _start(self, batch: Batch, job: RunningJob, decision: StartDecision, now: float) -> bool:
-        """Settle the job here, or hold it for the engine: True when the engine is to run it."""
+    def _start(
+        self, batch: Batch, piece: Piece, job: RunningJob, decision: StartDecision, now: float
+    ) -> None:
+        """Run the job, or settle it here as its verdict says."""
+        stage = self._judge(batch, piece, job, decision, now)
+        if stage is RUNNING:
+            self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
+            piece.run(job)
+        else:
+            piece.settle(job, stage)
+
+    def _judge(
+        self, batch: Batch, piece: Piece, job: RunningJob, decision: StartDecision, now: float
+    ) -> Stage:
+        """Where the start script's verdict puts the job: RUNNING, or the stage it settles
+        in, what it ends with written into ``batch``. A retry is announced first."""
         if decision.verdict == "error":
             self._unstartable(batch, job, decision.detail)
-            return False
-        if decision.verdict in ("ended", "duplicate"):
-            log.info(
-                "skipping entry %s of job %s: %s %s",
-                job.entry_id,
-                job.job_id,
-                decision.verdict,
-                decision.detail,
-            )
-            batch.finish(Final(job.entry_id))
-            return False
+            return FAILED
+        if decision.verdict in ("ended", "duplicate") or piece.held_elsewhere(job):
+            self._skip(batch, job, decision)
+            return SKIPPED
         if job.attempt > 1:
             batch.publish(job.channel, job.requeued_event("its previous worker stopped"))
             self.metrics.job_requeued()
-        if job.attempt > self.settings.broker.max_attempts:
+        max_attempts = self.settings.broker.max_attempts
+        if job.attempt > max_attempts:
             message = (
                 f"gave up after {job.attempt - 1} attempts (EXLQ_MAX_ATTEMPTS="
-                f"{self.settings.broker.max_attempts}); every worker that ran it stopped"
+                f"{max_attempts}); every worker that ran it stopped"
             )
             self._fail(batch, job, JobErrored(job.job_id, "too_many_attempts", message), now)
-            return False
+            return FAILED
         if decision.verdict == "cancel" or job.request.past_deadline(now):
             reason: FinishReason = "cancelled" if decision.verdict == "cancel" else "expired"
             self._finish(batch, job, JobEnded(job.job_id, reason, 0, 0), now)
-            return False
-        self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
-        self.held[job.job_id] = job
-        return True
+            return CANCELLED
+        return RUNNING
+
+    def _skip(self, batch: Batch, job: RunningJob, decision: StartDecision) -> None:
+        """An entry whose job ended, or runs under another entry: acked, nothing written."""
+        detail = (
+            f"{decision.verdict} {decision.detail}"
+            if decision.verdict in ("ended", "duplicate")
+            else "its job runs here under another entry"
+        )
+        log.info("skipping entry %s of job %s: %s", job.entry_id, job.job_id, detail)
+        batch.finish(Final(job.entry_id))
 
     def _unstartable(self, batch: Batch, job: RunningJob, redis_error: str) -> None:
         """The start script failed on this job's state key (say it holds another type): an
@@ -453,10 +459,10 @@ class Worker:
             reports = [await self._reports.get()]
             while not self._reports.empty():  # coalesce steps that queued up meanwhile
                 reports.append(self._reports.get_nowait())
-            if self._early.waiting:  # output of a job started early waits for its verdict
-                await self._early.verdicts_for(reports)
+            if self.jobs.awaiting_verdict:  # output of a job started early waits for it
+                await self.jobs.verdicts_for(reports)
             batch = Batch()
-            ended: list[str] = []
+            ended: list[RunningJob] = []
             for report in reports:
                 self._take_report(batch, report, ended)
             if batch:
@@ -473,12 +479,12 @@ class Worker:
             else:
                 self._observe_tokens()
             if ended:
-                for job_id in ended:
-                    self.held.pop(job_id, None)
+                for job in ended:
+                    self.jobs.commit(job)
                 self._slot_freed.set()
                 self._note_held()
 
-    def _take_report(self, batch: Batch, report: StepReport, ended: list[str]) -> None:
+    def _take_report(self, batch: Batch, report: StepReport, ended: list[RunningJob]) -> None:
         if tracing.tracer is not None:
             tracing.tracer.stage("report_received", outputs=len(report.outputs))
         if report.fatal is not None:
@@ -491,27 +497,39 @@ class Worker:
         self.metrics.set_cache_pages(report.cache.pages_used, report.cache.pages_total)
         # Output of jobs the start script refused after the engine started them is dropped;
         # the check costs the per-token path nothing while there are none.
-        drops = self._early.drops if self._early.dropping else None
+        drops = self.jobs.drops if self.jobs.dropping else None
+        get = self.jobs.get
         for output in report.outputs:
             if drops is not None and drops(output):
                 continue
-            job = self.held.get(output.job_id)
-            if job is None:
+            job = get(output.job_id)
+            if job is None or job.stage not in PUBLISHING:
                 log.error("engine output for unknown job %s dropped", output.job_id)
                 continue
-            if not isinstance(output, TokenChunk):
-                ended.append(job.job_id)
-            if job.lost:
-                continue  # another worker owns it now; it writes the result
-            self._take_output(batch, job, output, report.finished_at)
+            self._take_output(batch, job, output, report.finished_at, ended)
 
-    def _take_output(self, batch: Batch, job: RunningJob, output: EngineOutput, now: float) -> None:
+    def _take_output(
+        self,
+        batch: Batch,
+        job: RunningJob,
+        output: EngineOutput,
+        now: float,
+        ended: list[RunningJob],
+    ) -> None:
+        # A lost job's entry is another worker's now: it writes the events and the result.
+        lost = job.stage is LOST
         if isinstance(output, TokenChunk):
-            self._tokens_seen.append((job.enqueued_at, job.last_token_at, now, output))
-            batch.publish(job.channel, job.token_event(output, now))
-        elif isinstance(output, JobEnded):
+            if not lost:
+                self._tokens_seen.append((job.enqueued_at, job.last_token_at, now, output))
+                batch.publish(job.channel, job.token_event(output, now))
+            return
+        self.jobs.end(job)
+        ended.append(job)
+        if lost:
+            return
+        if isinstance(output, JobEnded):
             self._finish(batch, job, output, now)
-        elif isinstance(output, JobErrored):
+        else:
             self._fail(batch, job, output, now)
 
     def _observe_tokens(self) -> None:
@@ -611,31 +629,19 @@ class Worker:
             self.cancel(job_id)
 
     def cancel(self, job_id: str, reason: FinishReason | None = None) -> None:
-        """Stop a held job within one engine step."""
-        job = self.held.get(job_id)
-        if job is None or job.stopping:
-            return
-        log.info("stopping job %s (%s)", job_id, reason or "cancelled")
-        job.stopping = True
-        if reason is not None:
-            job.stop_reason = reason
-        self.engine.cancel(job_id)
+        """Stop a running job within one engine step."""
+        self.jobs.stop(job_id, reason)
 
     def drop_lost(self, entry_ids: list[str]) -> None:
         """Another worker took these entries over (this one missed its renewals): stop
         running them and write nothing for them."""
-        lost = set(entry_ids)
-        for job in list(self.held.values()):
-            if job.entry_id in lost and not job.lost:
-                log.warning("job %s was taken over by another worker; stopping it here", job.job_id)
-                job.lost = True
-                self.cancel(job.job_id)
+        for job in self.jobs.lose(entry_ids):
+            log.warning("job %s was taken over by another worker; stopping it here", job.job_id)
 
     # -- state ---------------------------------------------------------------------------
 
     def _note_held(self) -> None:
-        self.peak_held = max(self.peak_held, len(self.held))
-        self.metrics.set_running(len(self.held))
+        self.metrics.set_running(self.jobs.held)
 
     def set_redis_ok(self, ok: bool) -> None:
         if ok != self._redis_ok:

@@ -1,4 +1,5 @@
-"""RunningJob: what the worker knows of one job it holds, and the events and result it makes."""
+"""RunningJob: what the worker knows of one job from its parse on (its stage is job_state's
+to move), and the events and result it makes."""
 
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ from exlq.protocol.models import (
     token_event_json,
 )
 from exlq.worker.engines.base import JobEnded, TokenChunk
+from exlq.worker.job_state import Stage
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class RunningJob:
     job_id: str
     entry_id: str
     request: GenerationRequest
-    attempt: int
     channel: str
     enqueued_at: float  # this host's clock
-    started_at: float
+    stage: Stage = Stage.PARSED
+    attempt: int = 0  # the start script's count, once it has judged the job
+    started_at: float = 0.0  # when the engine was told to start it (Unix s)
     seq: int = 0
     text_parts: list[str] = field(default_factory=list)
     completion_tokens: int = 0
@@ -37,8 +40,6 @@ class RunningJob:
     last_token_at: float | None = None
     # Set when the worker, not the engine, chose to stop the job (deadline passed).
     stop_reason: FinishReason | None = None
-    stopping: bool = False  # a cancel was sent to the engine
-    lost: bool = False  # another worker took the entry over; write nothing for it
 
     def _next_seq(self) -> int:
         seq = self.seq

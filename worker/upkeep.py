@@ -7,16 +7,47 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from exlq.worker.runner import Worker
+from exlq.protocol.models import FinishReason
+from exlq.worker.broker import Broker
+from exlq.worker.engine_loop import EngineRunner
+from exlq.worker.job_state import HELD, LOST, RUNNING, JobBook
+from exlq.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 CANCEL_POLL_S = 1.0
 CONSUMER_FORGET_AFTER_S = 3600.0
+
+
+class Served(Protocol):
+    """What upkeep needs of the worker it keeps (runner.Worker)."""
+
+    settings: WorkerSettings
+    broker: Broker
+    engine: EngineRunner
+    jobs: JobBook
+    capacity: int
+    closing: asyncio.Event
+
+    @property
+    def ready(self) -> bool: ...
+
+    def set_redis_ok(self, ok: bool) -> None: ...
+
+    async def reclaim(self) -> None: ...
+
+    def cancel(self, job_id: str, reason: FinishReason | None = None) -> None: ...
+
+    def drop_lost(self, entry_ids: list[str]) -> None: ...
+
+
+_RUNNING = frozenset({RUNNING})
+_RENEWED = HELD - {LOST}
 
 
 @dataclass
@@ -29,7 +60,7 @@ class _Every:
 
 
 class Upkeep:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Served) -> None:
         self.worker = worker
         settings = worker.settings.broker
         self._duties = [
@@ -59,13 +90,13 @@ class Upkeep:
 
     def expire_overdue(self) -> None:
         now = time.time()
-        for job in list(self.worker.held.values()):
+        for job in self.worker.jobs.jobs_in(_RUNNING):
             if job.request.past_deadline(now):
                 self.worker.cancel(job.job_id, reason="expired")
 
     async def renew_claims(self) -> None:
         """Keep the entries this worker runs from looking abandoned, however long they run."""
-        held = [(job.job_id, job.entry_id) for job in self.worker.held.values() if not job.lost]
+        held = [(job.job_id, job.entry_id) for job in self.worker.jobs.jobs_in(_RENEWED)]
         lost = await self.worker.broker.renew(held)
         self.worker.set_redis_ok(True)
         if lost:
@@ -73,7 +104,7 @@ class Upkeep:
 
     async def poll_cancels(self) -> None:
         """Cancellation flags, in case the pub/sub message was missed."""
-        running = [job.job_id for job in self.worker.held.values() if not job.stopping]
+        running = [job.job_id for job in self.worker.jobs.jobs_in(_RUNNING)]
         for job_id in await self.worker.broker.cancel_flags(running):
             self.worker.cancel(job_id)
 
@@ -85,7 +116,7 @@ class Upkeep:
                 "engine": worker.engine.name,
                 "model": model.name if model else None,
                 "capacity": worker.capacity,
-                "load": len(worker.held),
+                "load": worker.jobs.held,
                 "ready": worker.ready,
             },
             stale_after_s=worker.settings.broker.heartbeat_seconds * 6,

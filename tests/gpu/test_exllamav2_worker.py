@@ -229,11 +229,18 @@ def test_jobs_of_equal_sampling_share_settings_that_exllamav2_never_changes(
 def test_a_packed_request_makes_the_same_tokens_and_ids_outside_the_vocabulary_fail(
     engine: Any,
 ) -> None:
-    """What the engine process gets (a PackedRequest: ids in an int32 array) runs as the
+    """What the engine process gets (a PackedRequest: ids in a uint32 array) runs as the
     request it came from; an id past the vocabulary is refused in either form, also one
     too large for 32 or 64 bits, which crosses as it is."""
     from exlq.protocol.models import GenerationRequest, InvalidRequest
-    from exlq.worker.engines.engine_request import decode_request, encode_request
+    from exlq.worker.command_pipe import decode_command, encode_frame
+    from exlq.worker.engine_loop import Offer
+    from exlq.worker.engines.engine_request import packed_request
+
+    def crossed(request: GenerationRequest) -> Any:
+        offer = decode_command(encode_frame(Offer(1, [("a", packed_request(request))]))[8:])
+        assert isinstance(offer, Offer)
+        return offer.jobs[0][1]
 
     ids = engine.tokenizer.encode("Once upon a time", add_bos=True)[0].tolist()
     request = GenerationRequest(
@@ -244,14 +251,14 @@ def test_a_packed_request_makes_the_same_tokens_and_ids_outside_the_vocabulary_f
         stop_token_ids=[3],
     )
     made = _run_on_engine(engine, {"plain": request}) | _run_on_engine(
-        engine, {"packed": decode_request(encode_request(request))}
+        engine, {"packed": crossed(request)}
     )
     assert made["packed"] == made["plain"] and len(made["plain"]) > 0
 
     vocab = engine.model.config.vocab_size
     for bad in (vocab, 2**31, 2**64):
         wrong = GenerationRequest(input_ids=[*ids, bad], max_new_tokens=4)
-        for form in (wrong, decode_request(encode_request(wrong))):
+        for form in (wrong, crossed(wrong)):
             with pytest.raises(InvalidRequest, match="outside the vocabulary"):
                 engine.prepare("bad", form)
     assert engine.active_jobs == 0

@@ -1,5 +1,6 @@
-"""--offer-before-start in the engine loop: offered jobs are readied, never run, until the
-round's admit names them; the admit drops the rest. And OfferRound, the worker's side."""
+"""Offers in the engine loop: offered jobs are readied, never run, until the round's admit
+names them; the admit drops the rest. And the worker's side: job_state.Piece and
+OfferRound."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from exlq.protocol.models import GenerationRequest, InvalidRequest
 from exlq.worker.engine_loop import EngineLoop, StepReport
 from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, PreparesJobs
 from exlq.worker.engines.echo.engine import EchoEngine
+from exlq.worker.job_state import JobBook, Piece
 from exlq.worker.offer_round import OFFER_PART, OfferRound
+from exlq.worker.running_job import RunningJob
 from tests.engine_reports import collect_ends
 
 
@@ -168,12 +171,20 @@ def _requests(n: int) -> list[GenerationRequest]:
     return [GenerationRequest(id=f"j{i}", prompt=f"p{i}") for i in range(n)]
 
 
+def _job(request: GenerationRequest) -> RunningJob:
+    return RunningJob(request.id, f"entry-{request.id}", request, "out", enqueued_at=0.0)
+
+
+def _piece(runner: RecordingRunner, round_id: int) -> Piece:
+    return Piece(JobBook(runner), OfferRound(runner, round_id))  # type: ignore[arg-type]
+
+
 def test_an_offer_round_sends_parts_as_they_fill_and_names_offered_jobs_by_id() -> None:
     runner = RecordingRunner()
     requests = _requests(1 + OFFER_PART + OFFER_PART + 3)
-    offers = OfferRound(runner, 7)  # type: ignore[arg-type]
+    piece = _piece(runner, 7)
     for request in requests:
-        offers.offer(request)
+        piece.take(_job(request))
     # Each part went as it filled: the first job alone, then OFFER_PART at a time; the
     # rest waits for flush() (or the admit).
     sizes = [len(call[2]) for call in runner.calls]
@@ -181,14 +192,30 @@ def test_an_offer_round_sends_parts_as_they_fill_and_names_offered_jobs_by_id() 
     assert [job_id for call in runner.calls for job_id in call[2]] == [
         r.id for r in requests[: sum(sizes)]
     ]
-    offers.offer(GenerationRequest(id="j0", prompt="another request under a used id"))
-    offers.flush()
+    # Another request under a used id is not offered: the id stands for one request.
+    other = _job(GenerationRequest(id="j0", prompt="another request under a used id"))
+    piece.take(other)
+    piece.flush()
     assert runner.calls[3] == ("offer", 7, [r.id for r in requests[sum(sizes) :]])
-    other = GenerationRequest(id="j0", prompt="another request under a used id")
-    offers.admit([("j1", requests[1]), ("j0", other), ("new", _requests(1)[0])])
-    # Offered: by id; the same id with another request, or never offered: whole.
-    assert runner.calls[4] == ("admit", 7, [("j1", None), ("j0", other), ("new", _requests(1)[0])])
+    assert piece.start_early(time.time()) == [r.id for r in requests]
+    # Offered: by id; the job under a used id is the verdict's to settle, never started.
+    assert runner.calls[4] == ("admit", 7, [(r.id, None) for r in requests])
+    assert piece.held_elsewhere(other)
     assert len(runner.calls) == 5
+
+
+def test_a_round_admit_may_bring_jobs_whole() -> None:
+    runner = RecordingRunner()
+    offers = OfferRound(runner, 7)  # type: ignore[arg-type]
+    offered, whole = _requests(2)
+    offers.offer("j0", offered)
+    offers.start(["j0"])
+    offers.start_whole([("j1", whole)])
+    assert runner.calls == [
+        ("offer", 7, ["j0"]),
+        ("admit", 7, [("j0", None)]),
+        ("admit", 7, [("j1", whole)]),
+    ]
 
 
 def test_a_withdrawn_round_drops_its_offers() -> None:
@@ -198,35 +225,37 @@ def test_a_withdrawn_round_drops_its_offers() -> None:
     assert runner.calls == []  # nothing went: the engine has nothing to drop
     withdrawn = OfferRound(runner, 2)  # type: ignore[arg-type]
     for request in _requests(2):
-        withdrawn.offer(request)  # j0 goes at once, j1 waits for a full part
+        withdrawn.offer(request.id, request)  # j0 goes at once, j1 waits for a full part
     withdrawn.withdraw()
     assert runner.calls == [("offer", 2, ["j0"]), ("admit", 2, [])]  # j1 never goes
 
 
 def test_an_early_admit_starts_the_offered_jobs_and_the_later_admit_brings_only_the_rest() -> None:
     runner = RecordingRunner()
-    offers = OfferRound(runner, 4)  # type: ignore[arg-type]
+    piece = _piece(runner, 4)
     now = time.time()
     live, expired, later = (
-        GenerationRequest(id="live", prompt="p"),
-        GenerationRequest(id="expired", prompt="p", deadline=now - 1),
-        GenerationRequest(id="later", prompt="p", deadline=now + 60),
+        _job(GenerationRequest(id="live", prompt="p")),
+        _job(GenerationRequest(id="expired", prompt="p", deadline=now - 1)),
+        _job(GenerationRequest(id="later", prompt="p", deadline=now + 60)),
     )
-    for request in (live, expired, later):
-        offers.offer(request)
+    for job in (live, expired, later):
+        piece.take(job)
     # The parts go out, then one admit names every offered job but the expired one (the
     # start script ends it), before any verdict.
-    assert offers.admit_early(now) == ["live", "later"]
+    assert piece.start_early(now) == ["live", "later"]
     assert runner.calls == [
         ("offer", 4, ["live"]),
         ("offer", 4, ["expired", "later"]),
         ("admit", 4, [("live", None), ("later", None)]),
     ]
     # The verdict's admit: what started early is not started again; a job started only
-    # now goes whole (the round's offers are used up).
-    whole = GenerationRequest(id="held-elsewhere", prompt="p")
-    offers.admit([("live", live), ("later", later), ("held-elsewhere", whole)])
-    assert runner.calls[3:] == [("admit", 4, [("held-elsewhere", whole)])]
-    offers.admit([("live", live)])
-    offers.withdraw()
+    # now goes whole (the round's offers are used up): here the expired one, whose
+    # deadline the verdict's clock put back in the future.
+    for job in (live, later, expired):
+        piece.run(job)
+    piece.hand_over()
+    assert runner.calls[3:] == [("admit", 4, [("expired", expired.request)])]
+    piece.hand_over()
+    piece.withdraw()
     assert len(runner.calls) == 4  # nothing more: the round is over in the engine

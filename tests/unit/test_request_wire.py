@@ -1,31 +1,36 @@
-"""Requests cross into the engine process as plain tuples (WireRequest), are read there as
-PackedRequests, and read as they were."""
+"""Requests cross into the engine process as PackedRequests (msgspec Structs written as
+MessagePack arrays), are read there as PackedRequests, and read as they were."""
 
 from __future__ import annotations
 
 import array
 import inspect
-import pickle
-import pickletools
+from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import pytest
 
 from exlq.protocol.models import GenerationRequest, Sampling
 from exlq.protocol.packed_ids import PackedIds
+from exlq.worker.command_pipe import decode_command, encode_frame
+from exlq.worker.engine_loop import Admit, Offer
 from exlq.worker.engine_process import EngineProcess
 from exlq.worker.engines.echo.engine import EchoEngine, echo_text
 from exlq.worker.engines.engine_request import (
+    UINT32_IDS,
     EngineRequest,
+    EngineSampling,
     PackedRequest,
-    PackedSampling,
-    SamplingFields,
-    decode_request,
-    encode_request,
+    encode_hook,
+    engine_sampling,
     pack_ids,
+    packed_request,
     sampling_settings,
 )
 from exlq.worker.settings import WorkerSettings
+
+HEADER_BYTES = 8  # a frame's length, before its command
 
 # What an engine may read of a request (the members of EngineRequest and SamplingFields).
 REQUEST_FIELDS = [
@@ -80,7 +85,7 @@ def _read(request: EngineRequest) -> dict[str, Any]:
         value = getattr(request, name)
         if name == "sampling":
             value = {f: getattr(value, f) for f in SAMPLING_FIELDS}
-        elif isinstance(value, tuple | list | array.array):
+        elif isinstance(value, Sequence) and not isinstance(value, str):  # ids: any form
             value = list(value)
         out[name] = value
     return out
@@ -90,20 +95,25 @@ def _members(protocol: type) -> list[str]:
     return [name for name, value in vars(protocol).items() if isinstance(value, property)]
 
 
+def _frame(request: EngineRequest) -> bytearray:
+    return encode_frame(Offer(1, [("a", packed_request(request))]))
+
+
 def _crossed(request: EngineRequest) -> PackedRequest:
-    """The request as the engine process reads it: encoded, through pickle, decoded."""
-    wire = pickle.loads(pickle.dumps(encode_request(request), protocol=pickle.HIGHEST_PROTOCOL))
-    return decode_request(wire)
+    """The request as the engine process reads it: packed, framed, decoded."""
+    offer = decode_command(_frame(request)[HEADER_BYTES:])
+    assert isinstance(offer, Offer)
+    return offer.jobs[0][1]
 
 
 def test_the_packed_form_carries_every_field_an_engine_reads() -> None:
-    # A field an engine reads is added to EngineRequest, PackedRequest and the wire together.
+    # A field an engine reads is added to EngineRequest and PackedRequest together.
     assert _members(EngineRequest) == REQUEST_FIELDS
-    assert list(PackedRequest._fields) == REQUEST_FIELDS
-    assert len(encode_request(_requests()[0])) == len(REQUEST_FIELDS)
-    # Every sampling setting of the wire contract, in the protocol and the packed form.
-    assert sorted(_members(SamplingFields)) == sorted(SAMPLING_FIELDS)
-    assert sorted(PackedSampling._fields) == sorted(SAMPLING_FIELDS)
+    assert list(PackedRequest.__struct_fields__) == REQUEST_FIELDS
+    assert len(msgspec.structs.astuple(packed_request(_requests()[0]))) == len(REQUEST_FIELDS)
+    # Every sampling setting of the wire contract, in its order, with its default.
+    assert list(EngineSampling.__struct_fields__) == SAMPLING_FIELDS
+    assert engine_sampling(Sampling()) == EngineSampling()
 
 
 @pytest.mark.parametrize(
@@ -123,32 +133,43 @@ def test_a_request_reads_as_it_was_after_the_pipe(request_: GenerationRequest) -
 @pytest.mark.parametrize(
     "request_", _requests(), ids=["prompt", "messages", "input_ids", "input_ids_b64"]
 )
-def test_the_wire_form_pickles_without_a_class(request_: GenerationRequest) -> None:
-    # Plain tuples, strings and bytes: pickle calls no Python code to write or read them,
-    # where a named tuple, an array or a pydantic model costs µs each way (the worker and
-    # the engine process each pay it for every job on a burst's way in).
-    data = pickle.dumps(encode_request(request_), protocol=pickle.HIGHEST_PROTOCOL)
-    opcodes = {op.name for op, _, _ in pickletools.genops(data)}
-    assert not opcodes & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD"}
+def test_the_wire_form_is_written_without_python_code_per_field(
+    request_: GenerationRequest,
+) -> None:
+    # msgspec writes and reads a PackedRequest in C: Python runs once for its ids (one
+    # extension) and once for each chat message, never for a field, where pickling a named
+    # tuple, an array or a pydantic model costs µs each way (the worker and the engine
+    # process each pay it for every job on a burst's way in).
+    calls: list[type] = []
+
+    def counted(value: object) -> object:
+        calls.append(type(value))
+        return encode_hook(value)
+
+    msgspec.msgpack.Encoder(enc_hook=counted).encode(packed_request(request_))
+    assert len(calls) == (request_.prompt_ids is not None) + len(request_.messages or [])
 
 
 @pytest.mark.parametrize("field", ["input_ids", "input_ids_b64"])
 def test_token_ids_cross_as_uint32_bytes_and_read_as_a_uint32_array(field: str) -> None:
     given = [5, 6, 2**31, 2**32 - 1]
     value = given if field == "input_ids" else PackedIds.from_ids(given).text
-    wire = encode_request(GenerationRequest.model_validate({field: value}))
-    assert isinstance(wire[2], bytes) and len(wire[2]) == 16
-    ids = decode_request(wire).prompt_ids
+    request = GenerationRequest.model_validate({field: value})
+    raw = msgspec.msgpack.decode(_frame(request)[HEADER_BYTES:])  # as written, untyped
+    ids_wire = raw[2][0][1][2]  # the offer's first job's request's ids
+    assert isinstance(ids_wire, msgspec.msgpack.Ext) and ids_wire.code == UINT32_IDS
+    assert len(ids_wire.data) == 16
+    ids = _crossed(request).prompt_ids
     assert isinstance(ids, array.array) and ids.typecode == "I"
     assert ids.tolist() == given
 
 
 def test_eight_jobs_of_256_ids_go_in_one_pipe_write() -> None:
-    # multiprocessing writes a message over 16 KiB as two writes (its length, then the
-    # data), and the engine process wakes for each; a piece's jobs are offered 8 at a time.
+    # A frame goes in one write while the pipe has room, and the engine process wakes once
+    # for it; a piece's jobs are offered 8 at a time.
     jobs = [(f"job-{i:03}", GenerationRequest(input_ids=[128_000 + i] * 256)) for i in range(8)]
-    message = ("offer", 1, [(job_id, encode_request(r)) for job_id, r in jobs])
-    assert len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)) <= 16_384
+    frame = encode_frame(Offer(1, [(job_id, packed_request(r)) for job_id, r in jobs]))
+    assert len(frame) <= 16_384
 
 
 @pytest.mark.parametrize("ids", [[0], [31999, 0, 7], list(range(2**32 - 300, 2**32))])
@@ -184,17 +205,17 @@ def test_an_engine_makes_the_same_text_of_either_form(request_: GenerationReques
 
 def test_the_engine_process_sends_requests_encoded() -> None:
     process = EngineProcess(WorkerSettings.load(engine="echo"))
-    sent: list[tuple[Any, ...]] = []
+    sent: list[Any] = []
     process._send = sent.append  # type: ignore[method-assign]
     first, second = _requests()[:2]
     process.offer(1, [("a", first)])
     process.admit(1, [("a", None), ("b", second)])
     process.add_many([("c", first)])
     try:
-        assert sent[0][:2] == ("offer", 1)
-        assert sent[0][2] == [("a", encode_request(first))]
-        assert sent[1] == ("admit", 1, [("a", None), ("b", encode_request(second))])
-        assert sent[2] == ("add", [("c", encode_request(first))])
+        assert isinstance(sent[0], Offer) and sent[0].round == 1
+        assert sent[0].jobs == [("a", packed_request(first))]
+        assert sent[1] == Admit(1, [("a", None), ("b", packed_request(second))])
+        assert sent[2] == Admit(None, [("c", packed_request(first))])
     finally:
         for end in (process._commands, process._reports):
             end.close()
@@ -206,9 +227,12 @@ def test_the_engines_sampler_settings_take_the_sampling_fields_in_their_order() 
     # exllamav2's settings are made (and shared) from sampling_settings(), positionally.
     from exlq.worker.engines.exllamav2.engine import sampler_settings
 
+    fields = EngineSampling.__struct_fields__
     names = list(inspect.signature(sampler_settings).parameters)
-    assert names == list(PackedSampling._fields[:-1]) and PackedSampling._fields[-1] == "seed"
+    assert names == [name for name in fields if name != "seed"] and "seed" in fields
     sampling = Sampling(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, typical=0.8, seed=4)
     settings = sampling_settings(sampling)
     assert settings == tuple(getattr(sampling, name) for name in names)
-    assert _crossed(GenerationRequest(prompt="x", sampling=sampling)).sampling == (*settings, 4)
+    crossed = _crossed(GenerationRequest(prompt="x", sampling=sampling)).sampling
+    assert crossed == EngineSampling(*settings, 4)
+    assert sampling_settings(crossed) == settings

@@ -1,55 +1,78 @@
-"""EngineRequest: what an engine reads of a job's request; PackedRequest: the form in which
-an engine process reads it; WireRequest: the plain tuple in which it crosses the pipe.
+"""EngineRequest: what an engine reads of a job's request; PackedRequest: the msgspec Struct
+in which a request crosses the pipe into an engine process, and the form an engine there
+reads it in.
 
 An engine reads a request's input (prompt, messages or token ids), its length, sampling,
 stop and logprob fields, nothing else. The worker holds each job's request as the
 validated GenerationRequest, and an engine on a thread of the worker (EngineLoop) takes it
 as it is. An engine in a process of its own gets every job through a pipe, on the critical
-path of a burst's first token: there, unpickling a GenerationRequest of 256 ids and packing
-its ids into an array took 81 µs of the engine process's time a job on the H100, a third
-of what the job cost it before its first step (`docs/PERFORMANCE.md`, "The way in: a
-request in the engine process's form"). So the worker encodes each request as a
-WireRequest: plain tuples and strings, its ids the bytes of a uint32 array. On the H100's
-host, pickling an 8-job offer took 0.8 µs a job and unpickling it 0.8, against 5.7 and
-3.1 for the same fields as named tuples with an int64 array, and 8 jobs of 256 ids fit in
-one pipe write (`docs/PERFORMANCE.md`, "Requests across the pipe as plain tuples, and
-reports read on the event loop"). The engine process decodes it into a PackedRequest
-(2.1 µs), whose ids are the uint32 array the engine reads without a copy. A request whose
+path of a burst's first token: unpickling a GenerationRequest of 256 ids and packing its
+ids into an array cost a third of what the job cost the engine process before its first
+step (`docs/PERFORMANCE.md`, "The way in: a request in the engine process's form"). So the
+worker packs each request into a PackedRequest, which msgspec writes and reads as a
+MessagePack array (array_like: no field names on the wire, and no Python code per field):
+its ids go as one MessagePack extension holding the bytes of a uint32 array, decoded
+straight into that array, which the engine reads without another copy. A request whose
 ids came packed (input_ids_b64) holds them as that array from its validation on: the
 worker never turns them into Python ints.
+
+A sampling setting is defined in three places: the wire model
+(exlq.protocol.models.Sampling), EngineSampling here (same name and default), and the
+engine that reads it.
 """
 
 from __future__ import annotations
 
 import array
-import struct
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+import operator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
-from exlq.protocol.models import ChatMessage, ChatRole
+import msgspec
+
+from exlq.protocol.models import ChatMessage, Sampling
 
 
-class SamplingFields(Protocol):
-    """The sampling settings an engine reads (exlq.protocol.models.Sampling has them all)."""
+class EngineSampling(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A request's sampling settings in the engine process: Sampling's fields, in its
+    order, with its defaults. All but ``seed`` are what jobs that sample alike share
+    (sampling_settings)."""
 
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def min_p(self) -> float: ...
-    @property
-    def typical(self) -> float: ...
-    @property
-    def repetition_penalty(self) -> float: ...
-    @property
-    def frequency_penalty(self) -> float: ...
-    @property
-    def presence_penalty(self) -> float: ...
-    @property
-    def seed(self) -> int | None: ...
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+
+# Read by name, in EngineSampling's order: a field added to Sampling and EngineSampling
+# crosses without another line here.
+_SAMPLING_FIELDS = operator.attrgetter(*EngineSampling.__struct_fields__)
+_SETTINGS_FIELDS = operator.attrgetter(
+    *(name for name in EngineSampling.__struct_fields__ if name != "seed")
+)
+
+# What an engine may find in a request's sampling: the wire model (engines on the worker's
+# thread), or the packed form (in an engine process).
+SamplingFields = Sampling | EngineSampling
+SamplingSettings = tuple[Any, ...]
+
+
+def engine_sampling(sampling: SamplingFields) -> EngineSampling:
+    if isinstance(sampling, EngineSampling):
+        return sampling
+    return EngineSampling(*_SAMPLING_FIELDS(sampling))
+
+
+def sampling_settings(sampling: SamplingFields) -> SamplingSettings:
+    """A request's sampling settings, its seed aside, in EngineSampling's order: a key that
+    jobs sampling alike share."""
+    settings: SamplingSettings = _SETTINGS_FIELDS(sampling)
+    return settings
 
 
 class EngineRequest(Protocol):
@@ -79,45 +102,55 @@ class EngineRequest(Protocol):
     def logprobs(self) -> int: ...
 
 
-SamplingSettings = tuple[float, int, float, float, float, float, float, float]
+class WideIds(Sequence[int]):
+    """Token ids of which one does not fit in 32 bits, as they came: the engine refuses such
+    an id against its vocabulary, whose bounds are far below; packing it must not fail the
+    worker. They cross as decimal text (MessagePack holds no integer past 64 bits)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = tuple(ids)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        return self.ids[index]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WideIds) and other.ids == self.ids
+
+    def __hash__(self) -> int:
+        return hash(self.ids)
+
+    def __repr__(self) -> str:
+        return f"WideIds({self.ids!r})"
 
 
-def sampling_settings(s: SamplingFields) -> SamplingSettings:
-    """A request's sampling settings, its seed aside, in PackedSampling's order."""
-    return (
-        s.temperature,
-        s.top_k,
-        s.top_p,
-        s.min_p,
-        s.typical,
-        s.repetition_penalty,
-        s.frequency_penalty,
-        s.presence_penalty,
-    )
+if TYPE_CHECKING:
+    PromptIds = array.array[int] | WideIds
+else:  # msgspec reads the annotation at run time: what ext_hook made, taken unchecked
+    PromptIds = Any
 
 
-class PackedSampling(NamedTuple):
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    typical: float
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    seed: int | None
-
-
-class PackedRequest(NamedTuple):
-    """A validated request's engine fields as tuples; its token ids as a uint32 array (a
-    tuple where an id does not fit in 32 bits: the engine refuses such an id with its
-    vocabulary's bounds, which are far below)."""
+class PackedRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A validated request's engine fields (EngineRequest's, in its order). Its token ids
+    are a uint32 array, or WideIds where one does not fit in 32 bits; its messages keep
+    their role and content."""
 
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
-    prompt_ids: array.array[int] | tuple[int, ...] | None
+    prompt_ids: PromptIds | None
     max_new_tokens: int
-    sampling: PackedSampling
+    sampling: EngineSampling
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     banned_strings: tuple[str, ...]
@@ -125,32 +158,16 @@ class PackedRequest(NamedTuple):
     logprobs: int
 
 
-# PackedRequest's fields with the sampling settings a plain tuple, messages (role, content)
-# pairs and the ids the bytes of a uint32 array (or a tuple of ids, as in PackedRequest).
-WireRequest = tuple[
-    str | None,
-    tuple[tuple[ChatRole, str], ...] | None,
-    bytes | tuple[int, ...] | None,
-    int,
-    tuple[float, int, float, float, float, float, float, float, int | None],
-    tuple[str, ...],
-    tuple[int, ...],
-    tuple[str, ...],
-    bool,
-    int,
-]
-
-
-def encode_request(request: EngineRequest) -> WireRequest:
+def packed_request(request: EngineRequest) -> PackedRequest:
     """The request as it crosses the pipe into the engine process."""
-    s = request.sampling
+    messages = request.messages
     ids = request.prompt_ids
-    return (
+    return PackedRequest(
         request.prompt,
-        None if request.messages is None else tuple((m.role, m.content) for m in request.messages),
-        None if ids is None else _ids_wire(ids),
+        None if messages is None else tuple(messages),
+        None if ids is None else _packed_ids(ids),
         request.max_new_tokens,
-        (*sampling_settings(s), s.seed),
+        engine_sampling(request.sampling),
         tuple(request.stop),
         tuple(request.stop_token_ids),
         tuple(request.banned_strings),
@@ -159,61 +176,59 @@ def encode_request(request: EngineRequest) -> WireRequest:
     )
 
 
-def decode_request(wire: WireRequest) -> PackedRequest:
-    """A WireRequest, in the engine process, as the PackedRequest an engine reads."""
-    (
-        prompt,
-        messages,
-        ids,
-        max_new_tokens,
-        sampling,
-        stop,
-        stop_token_ids,
-        banned_strings,
-        ignore_eos,
-        logprobs,
-    ) = wire
-    chat = None
-    if messages is not None:  # validated in the worker
-        chat = tuple(
-            ChatMessage.model_construct(role=role, content=text) for role, text in messages
-        )
-    return PackedRequest(
-        prompt,
-        chat,
-        None if ids is None else _ids_of(ids),
-        max_new_tokens,
-        PackedSampling(*sampling),
-        stop,
-        stop_token_ids,
-        banned_strings,
-        ignore_eos,
-        logprobs,
-    )
-
-
-def _ids_wire(ids: Sequence[int]) -> bytes | tuple[int, ...]:
-    if isinstance(ids, array.array) and ids.typecode == "I":
-        return ids.tobytes()
-    try:
-        return struct.pack(f"{len(ids)}I", *ids)
-    except struct.error:  # an id past 32 bits
-        return tuple(ids)
+def _packed_ids(ids: Sequence[int]) -> array.array[int] | WideIds:
+    packed = pack_ids(ids)
+    return packed if isinstance(packed, array.array) else WideIds(packed)
 
 
 def pack_ids(ids: Sequence[int]) -> array.array[int] | tuple[int, ...]:
     """Token ids as a uint32 array (kept as they are if they are one already); a tuple if
-    one does not fit. The array is filled from struct.pack's bytes: for 256 ids that took
-    half the time of array("q", ids), which converts and stores one item at a time (7-8 µs
-    against 14-15 on the development machine, Python 3.11 and 3.12)."""
+    one does not fit. For 256 ids, array("I", ids) took three quarters of the time of
+    filling the array from struct.pack's bytes, and under half of array("q", ids) (development
+    machine, CPython 3.11 to 3.13)."""
     if isinstance(ids, array.array) and ids.typecode == "I":
         return ids
-    return _ids_of(_ids_wire(ids))
+    try:
+        return array.array("I", ids)
+    except OverflowError:  # an id past 32 bits
+        return tuple(ids)
 
 
-def _ids_of(wire: bytes | tuple[int, ...]) -> array.array[int] | tuple[int, ...]:
-    if isinstance(wire, tuple):
-        return wire
+def _uint32_array(data: bytes | memoryview) -> array.array[int]:
     ids = array.array("I")
-    ids.frombytes(wire)
+    ids.frombytes(data)
     return ids
+
+
+# The MessagePack extensions of a PackedRequest's ids, and the hooks of msgspec's encoder
+# and decoder that write and read them and its messages.
+UINT32_IDS = 1
+WIDE_IDS = 2
+
+
+def encode_hook(value: object) -> object:
+    """For msgspec's encoder: the values of a PackedRequest it has no form for."""
+    if isinstance(value, array.array):
+        return msgspec.msgpack.Ext(UINT32_IDS, value.tobytes())
+    if isinstance(value, WideIds):
+        return msgspec.msgpack.Ext(WIDE_IDS, ",".join(map(str, value.ids)).encode())
+    if isinstance(value, ChatMessage):
+        return (value.role, value.content)
+    raise NotImplementedError(f"no wire form for {type(value).__name__}")
+
+
+def ext_hook(code: int, data: memoryview) -> object:
+    """For msgspec's decoder: the ids a MessagePack extension holds."""
+    if code == UINT32_IDS:
+        return _uint32_array(data)
+    if code == WIDE_IDS:
+        return WideIds([int(text) for text in bytes(data).split(b",")])
+    raise ValueError(f"unknown MessagePack extension {code}")
+
+
+def decode_hook(kind: type, value: Any) -> object:
+    """For msgspec's decoder: a PackedRequest's messages (validated in the worker)."""
+    if kind is ChatMessage:
+        role, content = value
+        return ChatMessage.model_construct(role=role, content=content)
+    raise NotImplementedError(f"no decoding for {kind.__name__}")
