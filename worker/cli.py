@@ -217,11 +217,7 @@ def up(
     try:
         server.start()
     except RedisServerError as exc:
-        typer.secho(
-            f"error: {exc} (is port {redis_port} taken? try --redis-port)",
-            err=True,
-            fg=typer.colors.RED,
-        )
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None
     typer.echo(
         f"Redis at {redacted(server.url)} (data in {data_dir / 'redis'}); starting the worker.\n"
