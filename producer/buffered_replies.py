@@ -12,7 +12,7 @@ The parser that does it (hiredis_parser.py) subclasses redis-py's private hiredi
 and reads its hiredis reader. At import, this module checks that redis-py has the shape it
 relies on (the parser class, its push handler, `read_response(push_request=...)`, the
 connection's `parser_class` and `_parser`) and that hiredis is installed and taken by
-redis-py. Where not (redis-py before 6.1 hands RESP3 pushes to hiredis another way), event
+redis-py. Where not (redis-py before 6.2 hands RESP3 pushes to hiredis another way), event
 connections keep redis-py's default parser: the SDK works the same, reading one reply at a
 time, and a debug line says why.
 """
