@@ -122,11 +122,19 @@ class JobHandle:
         """The job has not started: where no live worker serves its queue, cancel it and
         raise NoWorkers; with wait_for_worker, warn and wait on."""
         watch = self._producer._workers
-        if await watch.served():
+        try:
+            if await watch.served():
+                return
+            if watch.wait_for_worker:
+                watch.warn_waiting(self.id)
+                return
+            state = await self._producer._cancel_if_queued(self.id)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            # Redis is away: the handle waits it out, as its other reads do; asked again
+            # at the next quiet spell.
+            log.debug("job %s: the workers' heartbeats could not be read (%s)", self.id, exc)
             return
-        if watch.wait_for_worker:
-            watch.warn_waiting(self.id)
-        elif await self._producer._cancel_if_queued(self.id) == "queued":
+        if state == "queued":
             raise NoWorkers(self.id, watch.keys.queue, watch.stale_after_s)
         # else it has started (or ended) meanwhile: its events are on their way
 

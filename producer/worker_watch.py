@@ -18,7 +18,7 @@ import time
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from exlq.protocol.keys import QueueKeys
 
@@ -59,8 +59,9 @@ class WorkerWatch:
         self._warned = False  # in the stretch without workers going on now
 
     async def served(self) -> bool:
-        """Whether a worker sent a heartbeat within ``stale_after_s``. True where this Redis
-        user may not read the heartbeats: nothing can be said, so nothing is refused."""
+        """Whether a worker sent a heartbeat within ``stale_after_s``. True where the
+        heartbeats cannot be read (an ACL without their key): nothing can be said, so
+        nothing is refused. Raises Redis's connection errors."""
         if time.monotonic() < self._served_until:
             return True
         task = self._reading
@@ -85,13 +86,15 @@ class WorkerWatch:
     async def _read(self) -> bool:
         try:
             heartbeats = cast("dict[Any, Any]", await self._client.hgetall(self.keys.workers))
-        except NoPermissionError as exc:
+        except ResponseError as exc:  # NOPERM (an ACL without the key), or not a hash
             log.warning(
                 "cannot read the workers' heartbeats (%s), so a job's wait for a worker of "
-                "queue %r is not checked; grant this Redis user read access to %s",
+                "queue %r is not checked; %s",
                 exc,
                 self.keys.queue,
-                self.keys.workers,
+                f"grant this Redis user read access to {self.keys.workers}"
+                if isinstance(exc, NoPermissionError)
+                else "this exlq may be older than the queue's workers",
             )
             self._served_until = math.inf  # never asked again
             return True

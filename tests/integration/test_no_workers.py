@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from exlq import AsyncProducer, NoWorkers, Producer
 from exlq.producer import worker_watch
@@ -174,3 +175,32 @@ def test_the_blocking_producer_raises_no_workers_too(redis_url: str, queue_name:
         handle = producer.submit("nobody", max_new_tokens=2)
         with pytest.raises(NoWorkers):
             handle.result(timeout=10)
+
+
+async def test_heartbeats_kept_otherwise_than_as_a_hash_are_not_a_reason_to_refuse(
+    redis_url: str,
+    queue_name: str,
+    redis_client: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The wire contract allows a zset for the heartbeats: a newer worker's is not read here.
+    await redis_client.zadd(QueueKeys(queue_name).workers, {"elsewhere:1": time.time()})
+    caplog.set_level(logging.WARNING, logger="exlq")
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("unread", max_new_tokens=2)
+        with pytest.raises(TimeoutError):
+            await handle.result(timeout=CHECK_S + 0.5)
+    assert "cannot read the workers' heartbeats (WRONGTYPE" in caplog.text
+
+
+async def test_redis_away_at_the_check_is_waited_out(
+    redis_url: str, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def away(self: worker_watch.WorkerWatch) -> bool:
+        raise RedisConnectionError("Redis is restarting")
+
+    monkeypatch.setattr(worker_watch.WorkerWatch, "served", away)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handle = await producer.submit("patient", max_new_tokens=2)
+        with pytest.raises(TimeoutError):  # neither the connection error nor NoWorkers
+            await handle.result(timeout=CHECK_S + 0.5)
