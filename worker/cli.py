@@ -222,7 +222,8 @@ def up(
     typer.echo(
         f"Redis at {redacted(server.url)} (data in {data_dir / 'redis'}); starting the worker.\n"
         f"Submit from another shell:\n"
-        f"  exlq submit 'Hello' --queue {settings.queue_name} --redis-url {server.url} --stream\n"
+        f"  exlq submit 'Hello' --queue {settings.queue_name} --redis-url {server.url} --stream"
+        " --wait-for-worker\n"
     )
     try:
         code = run_worker(settings)

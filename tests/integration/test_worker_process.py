@@ -110,6 +110,8 @@ def test_cli_submit_prints_the_result(redis_url: str, queue_name: str) -> None:
                 "3",
                 "--timeout",
                 "20",
+                # The worker process may still be starting when the job has waited 3 s.
+                "--wait-for-worker",
             ],
             cwd=ROOT,
             capture_output=True,
@@ -132,6 +134,8 @@ def test_cli_submit_prints_the_result(redis_url: str, queue_name: str) -> None:
                 "--stream",
                 "--timeout",
                 "20",
+                # The worker process may still be starting when the job has waited 3 s.
+                "--wait-for-worker",
             ],
             cwd=ROOT,
             capture_output=True,
@@ -190,6 +194,8 @@ def test_up_starts_its_own_redis_and_a_worker(tmp_path: Any) -> None:
                 "2",
                 "--timeout",
                 "20",
+                # The worker process may still be starting when the job has waited 3 s.
+                "--wait-for-worker",
             ],
             cwd=ROOT,
             capture_output=True,
