@@ -31,7 +31,8 @@ async def test_sigterm_lets_running_jobs_finish_then_exits_0(
         "4",
     )
     try:
-        async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        # The worker process may still be starting when the jobs have waited 3 s.
+        async with AsyncProducer(redis_url, queue=queue_name, wait_for_worker=True) as producer:
             handles = [await producer.submit(f"job {i}", max_new_tokens=30) for i in range(4)]
             # Wait until every job has produced a token, then ask the worker to stop.
             streams = [h.stream() for h in handles]
