@@ -4,8 +4,8 @@ Every worker writes a heartbeat into the queue's workers hash every few seconds 
 engine, load and the time it was last seen; worker/upkeep.py). A job sent to a queue that
 no worker serves would wait in silence, so a handle whose job has not started after a few
 seconds asks here. A submit never does: it costs no round trip for this, and a worker
-that starts just after the submit (before its first heartbeat) is no cause for alarm. One
-read answers every handle that asks within CACHE_S.
+that starts just after the submit (before its first heartbeat) is no cause for alarm.
+Handles that ask at once share one read, and an answer "served" holds for CACHE_S.
 """
 
 from __future__ import annotations
