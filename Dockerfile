@@ -25,8 +25,6 @@ ARG CUDA_IMAGE=nvidia/cuda:12.6.3-devel-ubuntu24.04
 
 # ---------------------------------------------------------------------------- lite
 FROM ${PYTHON_IMAGE} AS lite
-# Keep in step with the `worker` extra in pyproject.toml (minus torch/exllamav2).
-ARG PROMETHEUS_CLIENT_VERSION=0.26.0
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -38,7 +36,9 @@ RUN groupadd --system --gid 10001 exlq \
  && useradd --system --uid 10001 --gid exlq --home-dir /home/exlq --create-home --shell /usr/sbin/nologin exlq \
  && mkdir -p /models
 COPY . /app
-RUN pip install /app "prometheus-client==${PROMETHEUS_CLIENT_VERSION}"
+# The base install is the whole echo worker (prometheus-client included); every version
+# as constraints.txt pins it, as CI tests it.
+RUN pip install -c /app/constraints.txt /app
 USER exlq
 WORKDIR /home/exlq
 EXPOSE 9400
@@ -54,6 +54,8 @@ FROM ${CUDA_IMAGE} AS gpu
 # torch must be built for the same CUDA major as the toolkit above (nvcc).
 ARG TORCH_VERSION=2.7.1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# Keep in step with constraints.txt (the pin there is what the last install below holds
+# to); an argument here so that a change of constraints.txt does not rebuild this layer.
 ARG EXLLAMAV2_VERSION=0.3.2
 # GPUs to compile the extension for: A100 (8.0), A10/3090 (8.6), L4/L40/4090 (8.9), H100/H200 (9.0).
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
@@ -103,9 +105,10 @@ RUN python -c "import exllamav2, exllamav2.ext; print('exllamav2 extension ready
  && chmod -R a+rwX /opt/torch_extensions
 USER root
 
-# The project itself (producer + worker). torch and exllamav2 are already satisfied.
+# The project itself (producer + worker) and its exllamav2 extra, every version as
+# constraints.txt pins it. torch and exllamav2 are already satisfied.
 COPY . /app
-RUN pip install "/app[worker]"
+RUN pip install -c /app/constraints.txt "/app[exllamav2]"
 
 # Check the start-up path as the runtime user: the extension loads without a rebuild.
 # (Never import exllamav2 as root here: files root writes into the build directory

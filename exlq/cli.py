@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
+from exlq._version import __version__
 from exlq.producer.cli import app
 from exlq.worker.cli import engines, up, worker
 
 app.command(help=worker.__doc__)(worker)
 app.command(help=up.__doc__)(up)
 app.command(help=engines.__doc__)(engines)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"exlq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    pass
 
 
 def main() -> None:

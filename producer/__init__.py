@@ -1,7 +1,14 @@
 """The SDK: submit jobs to a queue and follow their events. Needs no torch and no GPU."""
 
 from exlq.producer.client import AsyncProducer, JobHandle, JobStatus
-from exlq.producer.errors import ExlqError, InvalidRequest, JobFailed, JobRestarted, QueueFull
+from exlq.producer.errors import (
+    ExlqError,
+    InvalidRequest,
+    JobFailed,
+    JobRestarted,
+    NoWorkers,
+    QueueFull,
+)
 from exlq.producer.sync_client import Producer, SyncJobHandle
 from exlq.protocol.keys import QueueKeys
 from exlq.protocol.models import (
@@ -30,6 +37,7 @@ __all__ = [
     "JobRestarted",
     "JobResult",
     "JobStatus",
+    "NoWorkers",
     "Producer",
     "QueueFull",
     "QueueKeys",

@@ -8,54 +8,81 @@ message for every push). On the development machine that was 18 µs a push: the 
 of a 32-job burst's first step took 0.56 ms to reach their queues. Taking every complete
 reply the hiredis reader already holds, after each read, took 0.16-0.21 ms for the same 32.
 
-`BufferedRepliesParser` is redis-py's hiredis parser with `next_buffered()`: the next
-reply begun in what the reader already holds, through the parser's own `read_response`,
-or `NOTHING` when it holds nothing; and a pub/sub push handler that hands a push on
-as it is (redis-py's logs a formatted copy of every push). It reads the parser's hiredis
-reader and the connection's parser, which redis-py keeps private: pinned to redis-py
-8.1.0, and `tests/integration/test_buffered_replies.py` fails if they change.
+The parser that does it (hiredis_parser.py) subclasses redis-py's private hiredis parser
+and reads its hiredis reader. At import, this module checks that redis-py has the shape it
+relies on (the parser class, its push handler, `read_response(push_request=...)`, the
+connection's `parser_class` and `_parser`) and that hiredis is installed and taken by
+redis-py. Where not (redis-py before 6.2 hands RESP3 pushes to hiredis another way), event
+connections keep redis-py's default parser: the SDK works the same, reading one reply at a
+time, and a debug line says why.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+import logging
+from typing import Any, Protocol
 
-from redis._parsers.hiredis import _AsyncHiredisParser
-from redis.asyncio.connection import AbstractConnection
-from redis.utils import HIREDIS_AVAILABLE
+from redis.asyncio.connection import AbstractConnection, Connection
 
-PINNED_REDIS_PY = "8.1.0"
-NOTHING: Any = object()  # no complete reply is buffered
-
-
-async def _as_is(push: Any) -> Any:
-    return push
+log = logging.getLogger(__name__)
 
 
-class BufferedRepliesParser(_AsyncHiredisParser):
-    """redis-py's hiredis parser, whose complete replies can be taken without a read."""
+class BufferedReplies(Protocol):
+    def has_buffered(self) -> bool: ...
 
-    def __init__(self, socket_read_size: int) -> None:
-        super().__init__(socket_read_size)
-        self.set_pubsub_push_handler(_as_is)  # type: ignore[no-untyped-call]
+    async def next_buffered(self) -> Any: ...
 
-    async def next_buffered(self) -> Any:
-        """The next reply the reader holds, as the parser's `read_response(push_request=True)`
-        gives it (a Redis error as a ResponseError value), or NOTHING. Only the rest of a
-        reply begun in the buffer is read from the socket."""
-        reader = self._reader
-        if reader is None or not self._connected or not reader.has_data():
-            return NOTHING
-        return await self.read_response(push_request=True)
+
+def _base_problem() -> str | None:
+    """What is missing from redis-py's hiredis parser for the subclass, or None."""
+    try:
+        from redis._parsers import hiredis as parsers
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError as exc:
+        return f"redis-py has no redis._parsers.hiredis ({exc})"
+    if not HIREDIS_AVAILABLE:
+        return "hiredis is not installed, or redis-py does not take its version"
+    base = getattr(parsers, "_AsyncHiredisParser", None)
+    if not isinstance(base, type):
+        return "redis-py has no _AsyncHiredisParser"
+    if not callable(getattr(base, "set_pubsub_push_handler", None)):
+        return "redis-py's hiredis parser has no set_pubsub_push_handler"
+    read_response = getattr(base, "read_response", None)
+    if read_response is None or "push_request" not in inspect.signature(read_response).parameters:
+        return "redis-py's hiredis parser takes no push_request"
+    return None
+
+
+def find_parser() -> tuple[type[Any] | None, str]:
+    """The parser class to give event connections, or None (redis-py's default) and why."""
+    problem = _base_problem()
+    if problem is not None:
+        return None, problem
+    try:
+        from exlq.producer.hiredis_parser import BufferedRepliesParser
+
+        connection = Connection(parser_class=BufferedRepliesParser)
+        parser = getattr(connection, "_parser", None)
+    except Exception as exc:  # any failure here means: not this parser
+        return None, f"redis-py's hiredis parser could not be extended ({exc!r})"
+    if not isinstance(parser, BufferedRepliesParser) or not hasattr(parser, "_reader"):
+        return None, "redis-py's connection keeps its parser otherwise"
+    return BufferedRepliesParser, "hiredis"
+
+
+PARSER_CLASS, WHY = find_parser()
+if PARSER_CLASS is None:
+    log.debug("event connections read one reply at a time (redis-py's parser): %s", WHY)
 
 
 def parser_kwargs() -> dict[str, Any]:
-    """The connection keyword that gives a new connection this parser; none where hiredis
-    is not installed (redis-py's own parser then reads one reply at a time)."""
-    return {"parser_class": BufferedRepliesParser} if HIREDIS_AVAILABLE else {}
+    """The connection keyword that gives a new connection the buffered-replies parser; none
+    where it cannot be used here (redis-py's own parser then reads one reply at a time)."""
+    return {} if PARSER_CLASS is None else {"parser_class": PARSER_CLASS}
 
 
-def buffered_replies(connection: AbstractConnection) -> BufferedRepliesParser | None:
+def buffered_replies(connection: AbstractConnection) -> BufferedReplies | None:
     """The connection's parser, where it can give buffered replies; else None."""
     parser = getattr(connection, "_parser", None)
-    return parser if isinstance(parser, BufferedRepliesParser) else None
+    return parser if PARSER_CLASS is not None and isinstance(parser, PARSER_CLASS) else None

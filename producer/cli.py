@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
@@ -48,10 +50,23 @@ def _run(coro: Any) -> Any:
         raise _fail(str(exc)) from None
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    except TimeoutError as exc:  # before OSError: on Python 3.11+ it is one
+        raise _fail(f"timed out{f': {exc}' if str(exc) else ''}") from None
     except (RedisError, OSError) as exc:
-        raise _fail(f"Redis: {exc}") from None
-    except TimeoutError:
-        raise _fail("timed out waiting for the job") from None
+        raise _fail(f"Redis: {exc or type(exc).__name__}") from None
+
+
+class _WarningLines(logging.Handler):
+    """The SDK's warnings (no live worker, ...) as this command's own lines on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        typer.secho(f"warning: {record.getMessage()}", err=True, fg=typer.colors.YELLOW)
+
+
+def _show_sdk_warnings() -> None:
+    logger = logging.getLogger("exlq")
+    if not any(isinstance(handler, _WarningLines) for handler in logger.handlers):
+        logger.addHandler(_WarningLines(logging.WARNING))
 
 
 @app.command()
@@ -73,9 +88,20 @@ def submit(
     as_json: Annotated[
         bool, typer.Option("--json", help="print events or the result as JSON")
     ] = False,
-    timeout: Annotated[float | None, typer.Option(help="seconds to wait")] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="seconds to wait for the job to end")
+    ] = None,
+    wait_for_worker: Annotated[
+        bool,
+        typer.Option(
+            "--wait-for-worker",
+            help="queue the job even when no live worker serves the queue (warn, then wait)",
+        ),
+    ] = False,
 ) -> None:
-    """Submit a job and print its result (or its tokens as they arrive with --stream)."""
+    """Submit a job and print its result (or its tokens as they arrive with --stream).
+
+    The job's id goes to stderr at once (`job <id>`), for `exlq cancel` from another shell."""
     text = sys.stdin.read() if prompt == "-" else prompt
     sampling = {
         k: v
@@ -94,7 +120,17 @@ def submit(
     }
     if job_id:
         fields["id"] = job_id
-    _run(_submit(redis_url, queue, prefix, text, fields, stream, as_json, timeout))
+    _show_sdk_warnings()
+    options = _SubmitOptions(stream, as_json, timeout, wait_for_worker)
+    _run(_submit(redis_url, queue, prefix, text, fields, options))
+
+
+@dataclass(frozen=True)
+class _SubmitOptions:
+    stream: bool
+    as_json: bool
+    timeout: float | None
+    wait_for_worker: bool
 
 
 async def _submit(
@@ -103,19 +139,28 @@ async def _submit(
     prefix: str,
     prompt: str,
     fields: dict[str, Any],
-    stream: bool,
-    as_json: bool,
-    timeout: float | None,
+    options: _SubmitOptions,
 ) -> None:
-    async with AsyncProducer(redis_url, queue=queue, prefix=prefix) as producer:
+    async with AsyncProducer(
+        redis_url, queue=queue, prefix=prefix, wait_for_worker=options.wait_for_worker
+    ) as producer:
         handle = await producer.submit(prompt, **fields)
-        if stream:
-            async with asyncio.timeout(timeout):
-                async for event in handle.stream():
-                    _print_event(event, as_json)
-            return
-        result = await handle.result(timeout=timeout)
-        typer.echo(result.model_dump_json(indent=2) if as_json else result.text)
+        typer.echo(f"job {handle.id}{' (submitted before)' if handle.duplicate else ''}", err=True)
+        try:
+            async with asyncio.timeout(options.timeout):
+                if options.stream:
+                    async for event in handle.stream():
+                        _print_event(event, options.as_json)
+                    return
+                result = await handle.result()
+        except TimeoutError:
+            if options.timeout is None:
+                raise
+            raise ExlqError(
+                f"job {handle.id} did not end within {options.timeout:g}s; it stays queued "
+                f"or running (stop it with: exlq cancel {handle.id} --queue {queue})"
+            ) from None
+        typer.echo(result.model_dump_json(indent=2) if options.as_json else result.text)
 
 
 def _print_event(event: Any, as_json: bool) -> None:

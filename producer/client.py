@@ -15,10 +15,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from exlq.producer.errors import ExlqError, JobFailed, JobRestarted, QueueFull
+from exlq.producer.errors import ExlqError, JobFailed, JobRestarted, NoWorkers, QueueFull
 from exlq.producer.quiet_wait import QuietWait
 from exlq.producer.submit_batch import SubmitBatcher
 from exlq.producer.subscriber import RECONNECTED, EventRouter
+from exlq.producer.worker_watch import DEFAULT_STALE_AFTER_S, WorkerWatch
 from exlq.protocol.backoff import REDIS_BACKOFF
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.keys import DEFAULT_PREFIX, QueueKeys
@@ -44,6 +45,9 @@ DEFAULT_STATE_TTL_S = 24 * 3600
 # was published while its events could not arrive. After a reconnect the router tells
 # every handle at once; this is the fallback for losses nobody noticed.
 RESULT_POLL_S = 30.0
+# A job that has heard nothing this long after its submit looks at the workers' heartbeats:
+# where none is live, nothing would ever run it (producer/worker_watch.py).
+WORKER_CHECK_S = 3.0
 # The job whose channel and state key the producer's event connection tries once, at
 # connect: may its Redis user subscribe to job channels, and does the server run commands
 # on a subscribed connection? Nothing is written.
@@ -58,6 +62,13 @@ if state == 'queued' or state == 'running' then
   redis.call('PUBLISH', ARGV[1], ARGV[2])
 end
 return state
+"""
+# The job has not started and no worker serves its queue: mark it, so that a worker that
+# starts later skips it, the way a cancel does.
+_CANCEL_QUEUED_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'queued' then redis.call('HSET', KEYS[1], 'cancel', '1') end
+return state or ''
 """
 
 
@@ -97,10 +108,35 @@ class JobHandle:
         self._attempt = 1
         self._gap = False  # some events never arrived: the rest comes from the stored result
         self._pending_end: Event | None = None
+        self._quiet_waits = 0
 
     @property
     def finished(self) -> bool:
         return self._final is not None
+
+    @property
+    def _started(self) -> bool:
+        return self._last_seq >= 0 or self._attempt > 1
+
+    async def _check_served(self) -> None:
+        """The job has not started: where no live worker serves its queue, cancel it and
+        raise NoWorkers; with wait_for_worker, warn and wait on."""
+        watch = self._producer._workers
+        try:
+            if await watch.served():
+                return
+            if watch.wait_for_worker:
+                watch.warn_waiting(self.id)
+                return
+            state = await self._producer._cancel_if_queued(self.id)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            # Redis is away: the handle waits it out, as its other reads do; asked again
+            # at the next quiet spell.
+            log.debug("job %s: the workers' heartbeats could not be read (%s)", self.id, exc)
+            return
+        if state == "queued":
+            raise NoWorkers(self.id, watch.keys.queue, watch.stale_after_s)
+        # else it has started (or ended) meanwhile: its events are on their way
 
     async def stream(self) -> AsyncIterator[Event]:
         """Yield the job's events as they arrive, ending after ``done`` or ``error``."""
@@ -117,8 +153,14 @@ class JobHandle:
         await self._producer._release(self.id, self._events)
 
     async def _next_events(self) -> list[Event]:
-        raw = await self._wait.next(RESULT_POLL_S)
-        if raw is None or raw == RECONNECTED:  # quiet, or events may have been lost
+        first_wait = not self._started and not self._quiet_waits
+        raw = await self._wait.next(WORKER_CHECK_S if first_wait else RESULT_POLL_S)
+        if raw is None:  # quiet: does no worker serve the job; did it end unheard?
+            self._quiet_waits += 1
+            if not self._started:
+                await self._check_served()
+            return [] if first_wait else await self._recover_from_result()
+        if raw == RECONNECTED:  # events may have been lost
             return await self._recover_from_result()
         accepted = self._accept(parse_event(raw))
         if accepted is not None:
@@ -290,8 +332,18 @@ class AsyncProducer:
         max_connections: int = 32,
         client: aioredis.Redis | None = None,
         pack_ids: bool = False,
+        wait_for_worker: bool = False,
+        worker_stale_after_s: float = DEFAULT_STALE_AFTER_S,
     ) -> None:
-        """``pack_ids=True`` sends a submit's ``input_ids`` as ``input_ids_b64``, one base64
+        """A job that has heard nothing WORKER_CHECK_S after its submit, and every
+        RESULT_POLL_S after that until it starts, is checked against the workers'
+        heartbeats: where no live worker serves the queue (none sent one within
+        ``worker_stale_after_s``), the job is cancelled and its handle raises NoWorkers.
+        ``wait_for_worker=True`` logs a warning instead and lets jobs wait for workers that
+        start later (a worker still loading its model, a fleet scaled to zero). A submit
+        itself never reads the heartbeats.
+
+        ``pack_ids=True`` sends a submit's ``input_ids`` as ``input_ids_b64``, one base64
         string instead of a JSON number per id: a 256-id prompt cost the SDK and the worker
         82 against 147 µs of CPU on the development machine (docs/PERFORMANCE.md, "Token
         ids packed on the wire"). Turn it on once every worker on the queue
@@ -316,7 +368,14 @@ class AsyncProducer:
             client, self.keys.events(SERVER_CHECK_ID), self.keys.job(SERVER_CHECK_ID)
         )
         self._submits = SubmitBatcher(client, self._router, self.keys, state_ttl_s, max_backlog)
+        self._workers = WorkerWatch(
+            client,
+            self.keys,
+            stale_after_s=worker_stale_after_s,
+            wait_for_worker=wait_for_worker,
+        )
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
+        self._cancel_queued_script = self._redis.register_script(_CANCEL_QUEUED_LUA)
 
     async def __aenter__(self) -> AsyncProducer:
         return self
@@ -325,6 +384,7 @@ class AsyncProducer:
         await self.close()
 
     async def close(self) -> None:
+        await self._workers.close()
         await self._submits.close()
         await self._router.close()
         if self._owns_client:
@@ -376,6 +436,11 @@ class AsyncProducer:
         state = await self._cancel_script(
             keys=[self.keys.job(job_id)], args=[self.keys.cancel, job_id]
         )
+        return state.decode() if isinstance(state, bytes) else str(state)
+
+    async def _cancel_if_queued(self, job_id: str) -> str:
+        """Cancel the job only if no worker has started it; returns the state it had."""
+        state = await self._cancel_queued_script(keys=[self.keys.job(job_id)])
         return state.decode() if isinstance(state, bytes) else str(state)
 
     async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:

@@ -13,6 +13,22 @@ class QueueFull(ExlqError):
     """The queue's backlog is at its limit; retry later or add workers."""
 
 
+class NoWorkers(ExlqError):
+    """No live worker serves the queue, and the job had not started: it was cancelled, so
+    that it does not run later, unawaited."""
+
+    def __init__(self, job_id: str, queue: str, stale_after_s: float) -> None:
+        super().__init__(
+            f"job {job_id} was not started and is cancelled: no live worker serves queue "
+            f"{queue!r} (none has sent a heartbeat in the last {stale_after_s:g}s). Start one "
+            f"(exlq worker --queue {queue}), or let jobs wait for workers that start later "
+            "(one still loading its model, a fleet scaled to zero): wait_for_worker=True, "
+            "exlq submit --wait-for-worker"
+        )
+        self.job_id = job_id
+        self.queue = queue
+
+
 class JobFailed(ExlqError):
     """The job ended with an error (bad input, engine failure, too many attempts)."""
 
@@ -26,4 +42,4 @@ class JobRestarted(ExlqError):
     """A retry produced text that differs from what stream_text() had already yielded."""
 
 
-__all__ = ["ExlqError", "InvalidRequest", "JobFailed", "JobRestarted", "QueueFull"]
+__all__ = ["ExlqError", "InvalidRequest", "JobFailed", "JobRestarted", "NoWorkers", "QueueFull"]

@@ -37,7 +37,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
-from exlq.producer.buffered_replies import NOTHING, buffered_replies, parser_kwargs
+from exlq.producer.buffered_replies import buffered_replies, parser_kwargs
 from exlq.protocol.backoff import reconnect_delay_s
 from exlq.protocol.command_packing import packed_in_c
 
@@ -276,10 +276,9 @@ class EventRouter:
                 continue
             try:
                 self._take(response)
-                while self._buffered is not None:
-                    response = await self._buffered.next_buffered()
-                    if response is NOTHING:
-                        break
+                buffered = self._buffered
+                while buffered is not None and buffered.has_buffered():
+                    response = await buffered.next_buffered()
                     self._take(response)
             except (RedisConnectionError, OSError) as exc:
                 await self._reconnect(exc)

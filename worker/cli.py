@@ -133,16 +133,13 @@ def up(
     try:
         server.start()
     except RedisServerError as exc:
-        typer.secho(
-            f"error: {exc} (is port {redis_port} taken? try --redis-port)",
-            err=True,
-            fg=typer.colors.RED,
-        )
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None
     typer.echo(
         f"Redis at {redacted(server.url)} (data in {data_dir / 'redis'}); starting the worker.\n"
         f"Submit from another shell:\n"
-        f"  exlq submit 'Hello' --queue {settings.queue_name} --redis-url {server.url} --stream\n"
+        f"  exlq submit 'Hello' --queue {settings.queue_name} --redis-url {server.url} --stream"
+        " --wait-for-worker\n"
     )
     try:
         code = run_worker(settings)

@@ -35,7 +35,8 @@ async def test_kill_9_mid_stream_the_job_completes_on_another_worker(
     )
     survivor: subprocess.Popen[str] | None = None
     try:
-        async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        # The worker process may still be starting when the job has waited 3 s.
+        async with AsyncProducer(redis_url, queue=queue_name, wait_for_worker=True) as producer:
             handle = await producer.submit("one two three", max_new_tokens=40)
             events: list[Any] = []
             stream = handle.stream()

@@ -112,7 +112,9 @@ async def test_a_stream_whose_events_never_come_ends_from_the_stored_result(
     # The worker's events were lost (say the pub/sub connection dropped unnoticed) but its
     # result was stored: after RESULT_POLL_S of quiet the handle reads the result.
     monkeypatch.setattr("exlq.producer.client.RESULT_POLL_S", 0.2)
-    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+    monkeypatch.setattr("exlq.producer.client.WORKER_CHECK_S", 0.2)
+    # No worker runs here: the job must wait for one, not be cancelled for want of one.
+    async with AsyncProducer(redis_url, queue=queue_name, wait_for_worker=True) as producer:
         handle = await producer.submit("lost events", max_new_tokens=2)
         stored = JobResult(
             id=handle.id,

@@ -109,7 +109,10 @@ async def test_soak_every_job_exactly_one_result_and_memory_returns(
     counts: Counter[str] = Counter()
     stop_chaos = asyncio.Event()
     try:
-        async with AsyncProducer(redis_url, queue=queue_name, state_ttl_s=120) as producer:
+        # Worker processes start, die and start again: jobs wait for them.
+        async with AsyncProducer(
+            redis_url, queue=queue_name, state_ttl_s=120, wait_for_worker=True
+        ) as producer:
             chaos_task = asyncio.create_task(
                 chaos(workers, redis_url, queue_name, stop_chaos, counts)
             )

@@ -31,7 +31,8 @@ async def test_sigterm_lets_running_jobs_finish_then_exits_0(
         "4",
     )
     try:
-        async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        # The worker process may still be starting when the jobs have waited 3 s.
+        async with AsyncProducer(redis_url, queue=queue_name, wait_for_worker=True) as producer:
             handles = [await producer.submit(f"job {i}", max_new_tokens=30) for i in range(4)]
             # Wait until every job has produced a token, then ask the worker to stop.
             streams = [h.stream() for h in handles]
@@ -110,6 +111,8 @@ def test_cli_submit_prints_the_result(redis_url: str, queue_name: str) -> None:
                 "3",
                 "--timeout",
                 "20",
+                # The worker process may still be starting when the job has waited 3 s.
+                "--wait-for-worker",
             ],
             cwd=ROOT,
             capture_output=True,
@@ -132,6 +135,8 @@ def test_cli_submit_prints_the_result(redis_url: str, queue_name: str) -> None:
                 "--stream",
                 "--timeout",
                 "20",
+                # The worker process may still be starting when the job has waited 3 s.
+                "--wait-for-worker",
             ],
             cwd=ROOT,
             capture_output=True,
@@ -190,6 +195,8 @@ def test_up_starts_its_own_redis_and_a_worker(tmp_path: Any) -> None:
                 "2",
                 "--timeout",
                 "20",
+                # The worker process may still be starting when the job has waited 3 s.
+                "--wait-for-worker",
             ],
             cwd=ROOT,
             capture_output=True,

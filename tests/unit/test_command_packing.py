@@ -3,7 +3,11 @@ does not encode as strict UTF-8 keeps redis-py's packer."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import hiredis
 import pytest
+import redis.connection
 from redis.asyncio.connection import (
     Connection,
     SSLConnection,
@@ -12,6 +16,7 @@ from redis.asyncio.connection import (
 from redis.exceptions import DataError
 from redis.typing import EncodableT
 
+from exlq.protocol import command_packing
 from exlq.protocol.command_packing import packed_in_c
 
 COMMANDS: list[tuple[EncodableT, ...]] = [
@@ -82,3 +87,59 @@ def test_each_connection_kind_keeps_its_own_transport_and_is_made_once(
     assert issubclass(made, kind)
     assert packed_in_c(kind) is made
     assert packed_in_c(made) is made  # packing twice is packing once
+
+
+# -- where hiredis's packer is missing or differs: redis-py's own, unchanged -------------
+
+
+def test_without_redis_pys_hiredis_serializer_commands_pack_in_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(redis.connection, "HiredisRespSerializer")
+    packer, why = command_packing.find_c_packer()
+    assert packer is None
+    assert "HiredisRespSerializer" in why
+
+
+def test_a_hiredis_that_cannot_pack_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(hiredis, "pack_command")
+    packer, why = command_packing.find_c_packer()
+    assert packer is None
+    assert "cannot pack commands" in why
+
+
+class _RefusesViews:
+    """Packs as redis-py 5.0's serializer did: a memoryview is refused."""
+
+    def pack(self, *args: Any) -> list[bytes]:
+        if any(isinstance(arg, memoryview) for arg in args):
+            raise DataError("memoryview")
+        return list(Connection().pack_command(*args))
+
+
+class _PacksOtherwise:
+    def pack(self, *args: Any) -> list[bytes]:
+        return [b"*1\r\n$4\r\nPING\r\n"]
+
+
+@pytest.mark.parametrize(
+    ("serializer", "why"), [(_RefusesViews, "failed"), (_PacksOtherwise, "otherwise")]
+)
+def test_a_packer_that_fails_or_differs_on_a_sample_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, serializer: type[Any], why: str
+) -> None:
+    monkeypatch.setattr(redis.connection, "HiredisRespSerializer", serializer)
+    packer, reason = command_packing.find_c_packer()
+    assert packer is None
+    assert why in reason
+
+
+def test_without_a_c_packer_connection_classes_stay_redis_pys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(command_packing, "_PACKER", None)
+    assert packed_in_c(SSLConnection) is SSLConnection
+    # A class made while the packer was there packs in Python once it is gone.
+    made = packed_in_c(Connection)
+    args = ("SET", "key", "é")
+    assert _bytes(made().pack_command(*args)) == _bytes(Connection().pack_command(*args))
