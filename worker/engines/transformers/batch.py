@@ -7,7 +7,8 @@ the whole batch. A row's padding is masked out of attention, and each row's posi
 its own (position_ids), so a job sees exactly the tokens it would see alone. Jobs join
 between steps (their prompts prefilled together, then padded to the batch's width or the
 batch to theirs) and leave (their rows dropped, and the columns that are padding in every
-row left trimmed).
+row left trimmed). The price of one shared width: every row attends over the longest
+running job's columns, its own padding masked, until that job leaves.
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ class PaddedBatch:
         """Add jobs as new rows (after the others), their prompts run in one pass; returns
         their logits, in the order given."""
         width = max(len(prompt) for prompt in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self._device)
+        # Built on the host and moved in one copy each.
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):
             start = width - len(prompt)
             ids[row, start:] = torch.tensor(prompt, dtype=torch.long)
             mask[row, start:] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)
         positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
         cache = DynamicCache()
         logits = self._call(ids, mask, positions, cache)
