@@ -79,7 +79,9 @@ class TransformersEngine(Engine):
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         model = loaded.model
+        # The ids a prompt may hold, and the width of a row of logits (a model may pad one).
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.logits_width = int(model.get_output_embeddings().weight.shape[0])
         limits = [n for n in (settings.max_seq_len, loaded.context_tokens) if n]
         self.max_seq_len = min(limits) if limits else FALLBACK_CONTEXT
         self.prefill_batch_tokens = settings.prefill_batch_tokens
@@ -91,14 +93,11 @@ class TransformersEngine(Engine):
         # Seeds for the jobs that bring none: independent streams, not secrets.
         self._seeds = random.Random()
         log.info(
-            "transformers ready: %s (%s) on %s in %s, capacity %d, %d tokens a job, %s",
+            "transformers ready: %s, capacity %d, %d tokens a job, %s",
             loaded.files.directory / (loaded.files.gguf_file or ""),
-            loaded.files.format,
-            self.device,
-            model.dtype,
             capacity,
             self.max_seq_len,
-            self.info(),
+            ", ".join(f"{name} {value}" for name, value in self.info().items()),
         )
 
     def info(self) -> dict[str, str]:
@@ -134,7 +133,7 @@ class TransformersEngine(Engine):
                 request.sampling,
                 self._seeds.getrandbits(63) if seed is None else seed,
                 ids,
-                self.vocab_size,
+                self.logits_width,
                 self.device,
             ),
             TextStream(self._decode, request.stop, ids),
