@@ -91,6 +91,15 @@ def test_ignore_eos_runs_past_the_end_of_text(engine: Engine) -> None:
     assert run.text("q").startswith("The capital of France is Paris.")
 
 
+def test_a_character_made_of_several_tokens_goes_out_whole(engine: Engine) -> None:
+    # SmolLM2 writes this emoji as three byte tokens: the first two decode to U+FFFD alone.
+    engine.add("q", chat("Reply with only a heart emoji.", 6))
+    chunks = step_until_idle(engine).chunks["q"]
+    whole = [chunk for chunk in chunks if len(chunk.token_ids) > 1]
+    assert whole and all(len(chunk.text) == 1 and ord(chunk.text) > 0xFFFF for chunk in whole)
+    assert not any("\ufffd" in chunk.text for chunk in chunks)
+
+
 def test_token_ids_are_the_same_prompt_as_their_text(engine: Engine) -> None:
     tokenizer = engine.tokenizer  # type: ignore[attr-defined]
     text = tokenizer.apply_chat_template(
