@@ -46,7 +46,8 @@ def measure_bandwidth() -> float:
     dst = torch.empty_like(src)
     times = []
     for _ in range(23):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
         start.record()
         dst.copy_(src)
         end.record()

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-# Without torch these modules cannot even be imported; CPU runs deselect them (-m "not gpu").
-collect_ignore_glob = [] if importlib.util.find_spec("torch") else ["test_*.py"]
+# Without exllamav2 (and torch) these modules cannot even be imported; CPU runs, which may
+# have torch for the transformers engine, deselect them (-m "not gpu") and skip collecting.
+collect_ignore_glob = [] if importlib.util.find_spec("exllamav2") else ["test_*.py"]
 
 
 @pytest.fixture(scope="session")

@@ -180,10 +180,10 @@ class DecodeGraphs:
         if not self._embed_in_graph:
             probe = self._embedding.forward(torch.zeros((1, 1), dtype=torch.long))
             input_shape, input_dtype = (rows, 1, probe.shape[-1]), probe.dtype
-        on_gpu = {"device": self._device}
-        self._input = torch.zeros(input_shape, dtype=input_dtype, **on_gpu)
-        self._block_index = torch.zeros((rows, max_pages), dtype=torch.int32, **on_gpu)
-        self._seqlens = torch.zeros((rows,), dtype=torch.int32, **on_gpu)
+        gpu = self._device
+        self._input = torch.zeros(input_shape, dtype=input_dtype, device=gpu)
+        self._block_index = torch.zeros((rows, max_pages), dtype=torch.int32, device=gpu)
+        self._seqlens = torch.zeros((rows,), dtype=torch.int32, device=gpu)
         # Staging in pinned memory, so the copies to the GPU are asynchronous; `_copied` marks
         # when the GPU has read them, before the next step may overwrite them.
         self._stage_input = torch.zeros(input_shape, dtype=input_dtype).pin_memory()

@@ -12,7 +12,7 @@ JobRandom holds the seed and makes the ``random.Random`` on the first draw: the 
 stream of draws, seeded later. install_job_rng() puts it in the place of the module
 ``random`` that exllamav2.generator.dynamic reads ``Random`` from, whose only use there is
 the job's generator. The change is process-wide, like the other hooks, and pinned to
-exllamav2 0.3.2: tests/gpu/test_job_rng.py fails if the dynamic module uses ``random``
+exllamav2 0.3.2: tests/gpu/test_job_rng_on_gpu.py fails if the dynamic module uses ``random``
 for anything else.
 """
 
