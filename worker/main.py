@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
@@ -66,7 +68,8 @@ async def serve(settings: WorkerSettings) -> int:
     try:
         await _check_redis(broker, redis.redis_url)
         try:
-            engine = await asyncio.to_thread(load_engine, settings)
+            async with _heartbeats_while_loading(settings, broker):
+                engine = await asyncio.to_thread(load_engine, settings)
         except EngineUnavailable as exc:
             raise StartupError(str(exc)) from None
         try:
@@ -75,6 +78,42 @@ async def serve(settings: WorkerSettings) -> int:
             engine.close()
     finally:
         await broker.close()
+
+
+@contextlib.asynccontextmanager
+async def _heartbeats_while_loading(
+    settings: WorkerSettings, broker: Broker
+) -> AsyncIterator[None]:
+    """A model can take minutes to load: heartbeats say meanwhile that a worker (not ready
+    yet) serves the queue, so producers wait for it instead of hearing there is none. On a
+    failed load the heartbeat is taken back."""
+    info = {
+        "engine": settings.serving.engine,
+        "model": settings.serving.model.name if settings.serving.model else None,
+        "capacity": 0,
+        "load": 0,
+        "ready": False,
+    }
+    every_s = settings.broker.heartbeat_seconds
+
+    async def beat() -> None:
+        while True:
+            with contextlib.suppress(RedisError, OSError):
+                await broker.heartbeat(info, stale_after_s=every_s * 6)
+            await asyncio.sleep(every_s)
+
+    task = asyncio.create_task(beat(), name="exlq-loading-heartbeat")
+    loaded = False
+    try:
+        yield
+        loaded = True
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if not loaded:
+            with contextlib.suppress(RedisError, OSError):
+                await broker.leave()
 
 
 def load_engine(settings: WorkerSettings) -> EngineRunner:

@@ -1,7 +1,8 @@
 """The prefill's narrowed page search (worker/engines/exllamav2/page_search.py) takes what
 exllamav2 0.3.2's search of every page takes. Pages and prompts here hold their tokens as
-lists; the module's two tensor reads are swapped for list reads. tests/gpu/test_page_search_on_gpu.py
-checks it on exllamav2's own generator and pins the search it narrows."""
+lists; the module's two tensor reads are swapped for list reads.
+tests/gpu/test_page_search_on_gpu.py checks it on exllamav2's own generator and pins the
+search it narrows."""
 
 from __future__ import annotations
 
