@@ -57,6 +57,8 @@ def producer_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         f"~{base}:job:*",
         f"~{base}:jobs",
         f"%R~{base}:result:*",
+        # the workers' heartbeats, read-only: whether a live worker serves the queue
+        f"%R~{base}:workers",
         f"&{prefix}:out:*",
         # PUBLISH only to the queue's cancel channel (the cancel script), never an event
         f"(+publish &{base}:cancel)",
