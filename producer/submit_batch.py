@@ -43,8 +43,7 @@ from exlq.protocol.eager_task import EAGER_START, eager_task
 from exlq.protocol.keys import QueueKeys
 
 # The pieces of a loop pass's first PIECE_JOBS jobs: a worker offers each to its engine
-# while the SDK validates the next (docs/PERFORMANCE.md, "A burst's first piece" and "A
-# burst's first slice in pieces of 8").
+# while the SDK validates the next (docs/PERFORMANCE.md, "Starting a burst (always on)").
 FIRST_PIECE_JOBS = 8
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
