@@ -4,9 +4,9 @@ A producer's event connection gets a burst's token events together: the worker's
 script publishes one per job, and Redis writes them to the connection in one go. redis-py
 hands them over one `read_response()` at a time, and each call passes through the
 connection, its timeout handling, the parser and its push handler (which formats a debug
-message for every push). On the development machine that was 18 µs a push: the 32 events
-of a 32-job burst's first step took 0.56 ms to reach their queues. Taking every complete
-reply the hiredis reader already holds, after each read, took 0.16-0.21 ms for the same 32.
+message for every push). Paid once per event, that path held a step's last event well
+behind its first. Taking every complete reply the hiredis reader already holds, after each
+read, pays it once per read (docs/PERFORMANCE.md, "The way back, and Redis (always on)").
 
 The parser that does it (hiredis_parser.py) subclasses redis-py's private hiredis parser
 and reads its hiredis reader. At import, this module checks that redis-py has the shape it

@@ -344,11 +344,10 @@ class AsyncProducer:
         itself never reads the heartbeats.
 
         ``pack_ids=True`` sends a submit's ``input_ids`` as ``input_ids_b64``, one base64
-        string instead of a JSON number per id: a 256-id prompt cost the SDK and the worker
-        82 against 147 µs of CPU on the development machine (docs/PERFORMANCE.md, "Token
-        ids packed on the wire"). Turn it on once every worker on the queue
-        runs an exlq that reads the field: an older worker refuses such a job, with an
-        error event that names the field."""
+        string instead of a JSON number per id, so neither the SDK nor the worker makes a
+        Python int of each id (docs/PERFORMANCE.md, "The way back, and Redis (always on)").
+        Turn it on once every worker on the queue runs an exlq that reads the field: an
+        older worker refuses such a job, with an error event that names the field."""
         self.keys = QueueKeys(queue=queue, prefix=prefix)
         self.max_backlog = max_backlog
         self.pack_ids = pack_ids
@@ -401,7 +400,8 @@ class AsyncProducer:
             raise TypeError("pass either request= or prompt and fields, not both")
         # Only the id and the JSON wait for Redis: a request built here (its prompt's
         # ids are a list of hundreds) is freed before the wait, not carried into the
-        # young generation of the host process's collector (docs/PERFORMANCE.md).
+        # young generation of the host process's collector (docs/PERFORMANCE.md, "The way
+        # back, and Redis (always on)").
         if self.pack_ids and "input_ids" in fields:
             fields = _with_packed_ids(fields)
         job_id, request_json = _wire_form(

@@ -3,10 +3,11 @@ a while, watched by one timer per queue rather than one per wait.
 
 A stream waits for its next event after nearly every event. An ``asyncio.timeout`` around
 each wait put a timer in the event loop's heap for each event, cancelled when the event
-came: with a burst's streams, those timers took a third of the SDK's CPU per event
-(development machine; docs/PERFORMANCE.md, "The SDK's wait for an event"). Here one timer
-runs per queue while its stream waits. When it fires, a wait older than the quiet period
-is ended by a marker put in the queue; a newer one moves the timer to its own deadline.
+came: with a burst's streams, pushing and cancelling those timers was a large share of
+the SDK's work per event (docs/PERFORMANCE.md, "The way back, and Redis (always on)").
+Here one timer runs per queue while its stream waits. When it fires, a wait older than the
+quiet period is ended by a marker put in the queue; a newer one moves the timer to its own
+deadline.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """SubmitBatcher: the submits made in one pass of the event loop go to Redis together.
 
 A service that takes many requests at once calls ``submit()`` from many tasks at once.
-Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst of 64 reaches
-the queue over tens of milliseconds, so a worker starts the first job alone. Batched, each
+Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst reaches the
+queue spread over as many round trips, so a worker starts the first job alone. Batched, each
 piece of a burst is one write on the producer's event connection: one SUBSCRIBE for its
 channels, then one script that enqueues every job of the piece. Redis runs the script after
 the SUBSCRIBE, so no event is missed, and the piece's submit is one round trip. Its entries
@@ -43,8 +43,7 @@ from exlq.protocol.eager_task import EAGER_START, eager_task
 from exlq.protocol.keys import QueueKeys
 
 # The pieces of a loop pass's first PIECE_JOBS jobs: a worker offers each to its engine
-# while the SDK validates the next (docs/PERFORMANCE.md, "A burst's first piece" and "A
-# burst's first slice in pieces of 8").
+# while the SDK validates the next (docs/PERFORMANCE.md, "Starting a burst (always on)").
 FIRST_PIECE_JOBS = 8
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record

@@ -72,7 +72,7 @@ Command = Offer[EngineRequest] | Admit[EngineRequest] | Cancel | Stop
 # that have arrived (at least one when blocking). The engine process's command pipe is one
 # (engine_process: read by the stepping thread itself, no thread in between).
 CommandSource = Callable[[bool], list[Command]]
-# Commands that only bring jobs in: a step's wait for the GPU may apply them (admit_in_wait).
+# Commands that only bring jobs in: a step's wait for the GPU applies them.
 _TAKE_IN = (Offer, Admit)
 
 

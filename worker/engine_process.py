@@ -106,8 +106,7 @@ class EngineProcess:
             return
         # No relay thread between the pipe and the loop: a report reached the loop after
         # two wake-ups, the relay thread's and then the loop's, and now after one
-        # (docs/PERFORMANCE.md, "Requests across the pipe as plain tuples, and reports
-        # read on the event loop").
+        # (docs/PERFORMANCE.md, "The way back, and Redis (always on)").
         self._loop = loop
         loop.add_reader(self._reports.fileno(), self._read_reports, report)
         self._writer.attach(loop)  # a command never makes the loop wait for a step
@@ -156,8 +155,9 @@ class EngineProcess:
         self._reading_done.set()
 
     # Requests cross the pipe packed (engine_request.PackedRequest), each a MessagePack
-    # array that the child reads as the request its engine takes, where a GenerationRequest
-    # took tens of µs to pickle and unpickle, on the way to a burst's first step.
+    # array that the child reads as the request its engine takes: pickling and unpickling a
+    # GenerationRequest, a pydantic model, cost several times as much, on the way to a
+    # burst's first step.
     def add_many(self, jobs: Sequence[tuple[str, EngineRequest]]) -> None:
         if jobs:  # one message: the child's engine admits them in one pass
             self._send(Admit(None, _packed(jobs)))
@@ -235,9 +235,9 @@ def _child_main(settings: WorkerSettings, commands: Connection, reports: Connect
     reports.send_bytes(encode_message(Ready(engine.name, engine.capacity, loop.info)))
     send_lock = threading.Lock()
 
-    # On the engine thread, between steps. A sender thread of its own was measured slower
-    # at 1 and 8 jobs (1B, H100): its wake-ups took the GIL back from the engine thread in
-    # the middle of exllamav2's host code, 0.2 ms a step.
+    # On the engine thread, between steps. A sender thread of its own was rejected: its
+    # wake-ups took the GIL back from the engine thread in the middle of exllamav2's host
+    # code, lengthening every step (docs/PERFORMANCE.md, "Tried and rejected").
     def send_report(report: StepReport) -> None:
         if tracing.tracer is not None:
             held_ms = (time.time() - report.finished_at) * 1000  # held for the next GPU wait

@@ -2,11 +2,10 @@
 
 CPython's collector stops every thread of its process while it runs, and it runs when
 enough objects have been made since the last collection, wherever that happens to be.
-Traced on the H100's host (`bench.path_trace`, 1B, docs/PERFORMANCE.md, "Python's
-collector off a burst's way in"): the worker's event loop ran a full collection
-(generation 2) of 17-33 ms in one 8-job burst of every trace, and the engine process a
-generation-1 collection of 1.4-2.1 ms on the way to the first step in 4 of 15 bursts of 32:
-building a burst's jobs allocates thousands of objects in a few ms.
+Traced (`bench.path_trace`, docs/PERFORMANCE.md, "Starting a burst (always on)"), the
+worker's event loop ran a full collection (generation 2), longer than a decode step, in
+8-job bursts, and the engine process young collections on the way to the first step of
+32-job bursts: building a burst's jobs allocates thousands of objects at once.
 
 Three measures, one for each place:
 

@@ -21,9 +21,9 @@ from exlq.worker.engines.engine_request import EngineRequest
 # when a burst comes, starts on the first job while the worker parses the next eight, and
 # a 32-job piece goes in 5 pipe messages (1, 8, 8, 8, 7). Its work a job (unpickling,
 # checks, build) is longer than the worker's (parse), so the sooner it starts, the sooner
-# its first step. Parts that doubled (1, 2, 4, 8, ...) measured slower at 32 jobs: each
+# its first step. Parts that doubled (1, 2, 4, 8, ...) started the first step later: each
 # part's arrival takes the engine process's interpreter from its builds
-# (docs/PERFORMANCE.md, "Jobs offered before their start").
+# (docs/PERFORMANCE.md, "Starting a burst (always on)").
 FIRST_OFFER_PART = 1
 OFFER_PART = 8
 

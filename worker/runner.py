@@ -467,8 +467,7 @@ class Worker:
                 self._take_report(batch, report, ended)
             if batch:
                 # The events go out first; the token metrics are observed while Redis
-                # answers (4.4 µs a job on the development machine, 0.14 ms of a 32-job
-                # burst's first events, where they waited for them).
+                # answers, where a burst's first events would otherwise wait for them.
                 commit = await started_task(self.commit(batch), name="exlq-commit")
                 self._observe_tokens()
                 try:
@@ -585,8 +584,8 @@ class Worker:
         if tracing.tracer is not None:
             tracing.tracer.stage("commit_begun")
         try:
-            # Tried once without the retry machinery first: building tenacity's loop cost
-            # 80 µs a commit on the development machine, on the way of every token.
+            # Tried once without the retry machinery first: building tenacity's loop would
+            # cost every commit, on the way of every token, and a commit seldom needs it.
             lost = await self.broker.commit(batch)
         except RedisError as exc:
             self.set_redis_ok(False)

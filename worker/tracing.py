@@ -11,7 +11,8 @@ with its own.
 process is spawned and starts with none: a worker whose settings name a trace file
 (``EXLQ_TRACE_FILE``, ServingSettings.trace_file) installs a FileTracer at the start of
 both processes (``trace_to_file``), each appending a JSON line a stage to that one file.
-For measurement tools only: a stage costs a few µs when traced.
+For measurement tools only: a traced stage writes a line, a cost the untraced worker never
+pays.
 """
 
 from __future__ import annotations

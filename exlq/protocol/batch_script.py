@@ -9,8 +9,8 @@ from typing import cast
 
 # The most submits one script takes. A worker accepts a burst in pieces of this size too
 # (exlq.worker.runner.ACCEPT_PIECE): 32 prompts of 256 tokens are the engine's first admission
-# slice. Redis runs nothing else while a script runs: 256 jobs of 256-token prompts took
-# 3.5 ms of it (INFO commandstats, development machine), 64 jobs 0.8 ms.
+# slice. Redis runs nothing else while a script runs, and a script's time grows with its
+# jobs, so a burst goes as several scripts of a piece each rather than one long one.
 PIECE_JOBS = 32
 
 

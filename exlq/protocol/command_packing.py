@@ -2,11 +2,11 @@
 
 redis-py's synchronous connections pack each command with hiredis's C packer when hiredis
 is installed (a dependency of exlq). Its asyncio connections always pack in Python: each
-argument is encoded, and the command's bytes are joined piece by piece. On the development
-machine a piece of 32 submits (its SUBSCRIBE and its script, 256-token prompts) took
-387 µs to pack in Python against 64 µs in C; a worker's start script for 8 jobs 85 against
-27 µs. ``packed_in_c`` gives a connection class whose commands hiredis packs, byte for
-byte as redis-py would (its own ``HiredisRespSerializer``, which the tests compare).
+argument is encoded, and the command's bytes are joined piece by piece. A burst's submits
+and a worker's start scripts carry hundreds of arguments, so packing them in Python costs
+several times what C does, on the way to a burst's first step. ``packed_in_c`` gives a
+connection class whose commands hiredis packs, byte for byte as redis-py would (its own
+``HiredisRespSerializer``, which the tests compare).
 
 Only a connection that encodes text as strict UTF-8 (redis-py's default) packs in C;
 hiredis knows no other encoding, so any other keeps redis-py's packer.

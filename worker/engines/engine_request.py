@@ -6,9 +6,9 @@ An engine reads a request's input (prompt, messages or token ids), its length, s
 stop and logprob fields, nothing else. The worker holds each job's request as the
 validated GenerationRequest, and an engine on a thread of the worker (EngineLoop) takes it
 as it is. An engine in a process of its own gets every job through a pipe, on the critical
-path of a burst's first token: unpickling a GenerationRequest of 256 ids and packing its
-ids into an array cost a third of what the job cost the engine process before its first
-step (`docs/PERFORMANCE.md`, "The way in: a request in the engine process's form"). So the
+path of a burst's first token: unpickling a GenerationRequest and packing its ids into an
+array was a large share of what the job cost the engine process before its first step
+(`docs/PERFORMANCE.md`, "Starting a burst (always on)"). So the
 worker packs each request into a PackedRequest, which msgspec writes and reads as a
 MessagePack array (array_like: no field names on the wire, and no Python code per field):
 its ids go as one MessagePack extension holding the bytes of a uint32 array, decoded
@@ -183,9 +183,8 @@ def _packed_ids(ids: Sequence[int]) -> array.array[int] | WideIds:
 
 def pack_ids(ids: Sequence[int]) -> array.array[int] | tuple[int, ...]:
     """Token ids as a uint32 array (kept as they are if they are one already); a tuple if
-    one does not fit. For 256 ids, array("I", ids) took three quarters of the time of
-    filling the array from struct.pack's bytes, and under half of array("q", ids) (development
-    machine, CPython 3.11 to 3.13)."""
+    one does not fit. array("I", ids) is faster than filling the array from struct.pack's
+    bytes, and than array("q", ids)."""
     if isinstance(ids, array.array) and ids.typecode == "I":
         return ids
     try:

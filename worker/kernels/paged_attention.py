@@ -44,10 +44,9 @@ _DECODE_ROWS = 64
 # every variant a workload can meet is compiled before it serves.
 TILE_CLASS_ROWS = (16, 32, _DECODE_ROWS, 1024, 2048)
 # Fewest keys worth a split-K program of their own. exllamav2 calls this once per layer per
-# step and its steps are bound by host time: the merge launch costs about 50 us of host time,
-# more than splitting saves on the GPU below several thousand keys (H200, bench/
-# attention_bench.py: batch 1, 384 keys: 0.055 ms GPU and 45 us host in one launch, 0.092 ms
-# and 109 us split in two). So split only long contexts.
+# step and its steps are bound by host time: the merge's extra launch costs more host time
+# than splitting saves on the GPU below several thousand keys (bench/attention_bench.py
+# compares the two). So split only long contexts.
 _MIN_SPLIT_KEYS_DECODE = 4096
 _MIN_SPLIT_KEYS_PREFILL = 4096
 _MAX_SPLITS = 64
@@ -287,8 +286,8 @@ if HAS_TRITON:
 
     # exllamav2 hands in views whose base addresses and sizes vary from step to step (q, k, v
     # slices, cache_seqlens, block tables that widen as sequences grow). Triton would compile a
-    # new variant for each alignment and each "== 1" / "% 16" class of those values: seen on
-    # an H200 as 0.3-1.1 s stalls mid-generation. One variant per shape instead.
+    # new variant for each alignment and each "== 1" / "% 16" class of those values, each
+    # compile a stall mid-generation. One variant per shape instead.
     @triton.jit(
         do_not_specialize=["q_len", "bt_stride", "window_left", "window_right", "num_splits"],
         do_not_specialize_on_alignment=[

@@ -2,7 +2,7 @@
 
 exllamav2 samples each job on the CPU: the step's logits (jobs x vocabulary, float32) are
 copied to the host and every job runs its own softmax and filters over the whole vocabulary,
-about 80 us a job on our machine, one after another while the GPU waits. For the settings
+one after another while the GPU waits, so the step grows with every job. For the settings
 below this module does the same for every row in a few batched operations on the GPU and
 copies back only the chosen token and its probability.
 

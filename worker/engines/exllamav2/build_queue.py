@@ -1,8 +1,8 @@
 """BuildQueue: jobs the engine has accepted but not yet built into the generator's jobs.
 Plain Python: no torch, no exllamav2.
 
-Building an exllamav2 job is its own Python: about 0.13 ms a job on the H100's host, so 17
-ms for a burst of 128. The admission budget starts a burst in slices (prefill_plan.
+Building an exllamav2 job is its own Python, so a large burst's builds, one after another,
+take longer than a decode step. The admission budget starts a burst in slices (prefill_plan.
 jobs_to_start), yet a job built on arrival is built before the step that starts the first
 slice, and that slice's first tokens wait for every build. The engine checks a request when
 it arrives (its errors stay synchronous) and builds it only when the next step could start

@@ -3,9 +3,10 @@
 exllamav2's load_autosplit always puts the embedding module on the CPU, to save VRAM. Every
 forward pass then gathers its rows on the CPU and copies them to the GPU from pageable
 memory. For a prefill pass of 4,096 tokens of an 8B Llama shape that is a 32 MB gather and
-a 32 MB copy: 5 to 29 ms of CPU time (it follows the CPU's speed, and a fresh 32 MB buffer's
-page faults) and about 4 ms of copy, in which the GPU waits (docs/PERFORMANCE.md). On the
-GPU the same gather takes microseconds and the pass sends only its token ids.
+a 32 MB copy, in which the GPU waits: CPU time that follows the CPU's speed and a fresh
+buffer's page faults, then a copy from pageable memory (docs/PERFORMANCE.md, "On the GPU
+(exllamav2 engine options)"). On the GPU the same gather is one small kernel, and the pass
+sends only its token ids.
 
 The table costs vocab x hidden x 2 bytes of GPU memory (1.05 GB for Llama 3 8B, 0.5 GB for
 its 1B). The weight moves to the device of the first layer, and the module's forward moves

@@ -4,8 +4,8 @@ It runs the dynamic generator directly, not ExLlamaV2DynamicGeneratorAsync: the 
 wrapper calls iterate() on the event loop (no Redis I/O while the GPU works) and its loop
 ends for good on the first exception. The worker calls step() on a thread of its own and
 turns exllamav2's result dicts into typed outputs here, so nothing else sees them. The
-generator is exlq's subclass (GPU sampling, exllamav2_generator.py) with its decode step
-replayed from CUDA graphs (exllamav2_graphs.py), unless settings turn them off.
+generator is exlq's subclass (GPU sampling, generator.py) with its decode step replayed
+from CUDA graphs (graphs.py), unless settings turn them off.
 """
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ class _Checked:
     request: EngineRequest
     input_ids: Any  # torch.Tensor, shape (1, prompt tokens)
     prompt_tokens: int
-    job: Any = None  # ExLlamaV2DynamicJob, ready to queue (exllamav2_generator.ready_job)
+    job: Any = None  # ExLlamaV2DynamicJob, ready to queue (generator.ready_job)
 
 
-# Jobs of equal sampling share one ExLlamaV2Sampler.Settings: making one took 6-8 µs of a
-# job's build on the H100's host, on the way to a burst's first token. Sharing is safe
+# Jobs of equal sampling share one ExLlamaV2Sampler.Settings: making one is a sizeable part
+# of a job's build, on the way to a burst's first token. Sharing is safe
 # because exllamav2 0.3.2 writes to a job's settings only for DRY and mirostat, which these
 # never turn on (tests/gpu/test_exllamav2_worker.py pins both).
 SAMPLER_SETTINGS_KEPT = 256
@@ -164,7 +164,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             prefill_batch_tokens=settings.prefill_batch_tokens,
             admit_prompt_tokens=settings.admit_prompt_tokens,
             max_chunk_size=settings.max_chunk_size,
-            sampling_threads=1,  # measured fastest: the GPU samples the common cases
+            sampling_threads=1,  # more did no better: the GPU samples the common cases
             gpu_embedding=settings.gpu_embedding,
             decode_graphs=settings.cuda_graphs,
         )
@@ -191,7 +191,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         # Accepted jobs are built only when the next step could start them (build_queue.py).
         self._unbuilt: BuildQueue[_Checked] = BuildQueue()
         # Seeds for jobs that bring none. exllamav2 seeds such a job's random.Random() from
-        # os.urandom, about 15 us a job; an integer seed drawn here costs half that. Sampling
+        # os.urandom, a system call a job; an integer seed drawn here costs less. Sampling
         # needs independent streams, not secrets: a 64-bit seed per job gives them.
         self._seeds = random.Random()
         log.info(
@@ -327,10 +327,9 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
     def _encode(self, request: EngineRequest) -> Any:
         if request.prompt_ids is not None:
             # A uint32 array (a PackedRequest's ids already are one) is read through numpy
-            # without a copy, checked there and copied once into the int64 tensor. Through
-            # numpy, the read, the check and the tensor took 5.5 µs a job on the H100's
-            # host against 13.7 for Python's max() and torch's frombuffer() (int64 arrays
-            # then, wrapped without a copy).
+            # without a copy, checked there and copied once into the int64 tensor: cheaper
+            # than Python's max() over the ids and torch's frombuffer() on an int64 array,
+            # though that wraps without a copy.
             packed = pack_ids(request.prompt_ids)
             ids = (
                 self._numpy.frombuffer(packed, dtype=self._numpy.uint32)

@@ -2,21 +2,22 @@
 decode step, and the one-job-at-a-time prefill.
 
 ExLlamaV2DynamicGenerator.iterate_gen copies the whole step's logits to the host and samples
-every job on the CPU, one after another, while the GPU idles: at 64 jobs that was a third of
-the step (docs/PERFORMANCE.md). With gpu_sampling, ExlqDynamicGenerator overrides iterate_gen
-for the plain (no draft model) decode step: jobs whose sampling worker/kernels/sampling.py
-implements are sampled there in one batch, the rest exactly as exllamav2 does, and every job
-then goes through exllamav2's own receive_sample (stop conditions, held text, page hashing).
-Otherwise the method does what exllamav2 0.3.2's iterate_gen does, step for step, except
-that jobs on the CPU path are sampled on the calling thread (exllamav2's sampling-thread pool
-measured no faster), and that jobs entering decode are not stamped through a GPU sync each.
+every job on the CPU, one after another, while the GPU idles: at many jobs, a large share of
+the step (docs/PERFORMANCE.md, "On the GPU (exllamav2 engine options)"). With gpu_sampling,
+ExlqDynamicGenerator overrides iterate_gen for the plain (no draft model) decode step: jobs
+whose sampling worker/kernels/sampling.py implements are sampled there in one batch, the
+rest exactly as exllamav2 does, and every job then goes through exllamav2's own
+receive_sample (stop conditions, held text, page hashing). Otherwise the method does what
+exllamav2 0.3.2's iterate_gen does, step for step, except that jobs on the CPU path are
+sampled on the calling thread (exllamav2's sampling-thread pool gained nothing over it), and
+that jobs entering decode are not stamped through a GPU sync each.
 tests/gpu/test_gpu_sampling.py checks the hook points and that greedy output does not
 change.
 
 With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
-exllamav2_prefill.PrefillBatcher: batched, instead of one eager pass per job. In that loop a
+prefill.PrefillBatcher: batched, instead of one eager pass per job. In that loop a
 prefill's search for a partially matching page walks only the pages that could match
-(exllamav2_page_search.py), where exllamav2 walks every page of the cache for every job.
+(page_search.py), where exllamav2 walks every page of the cache for every job.
 
 A decode step runs its wait_work (Engine.set_wait_work), if set, once its forward pass and
 sampling are queued on the GPU and before it waits for the sampled tokens: the engine loop
@@ -27,8 +28,8 @@ prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts ever
 fits: a burst starts in slices, and its first jobs decode while the rest prefill.
 
 Making exlq's generator also gives every job queued afterwards its held-output buffers on
-first use (exllamav2_job_buffers.py), and every job made afterwards a random generator
-seeded at its first draw (exllamav2_job_rng.py): a job's build, on the way to a burst's
+first use (job_buffers.py), and every job made afterwards a random generator seeded at
+its first draw (job_rng.py): a job's build, on the way to a burst's
 first token, no longer allocates five buffers it mostly never writes, nor seeds a
 generator before the GPU runs.
 """
@@ -166,13 +167,13 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         # Run while a decode step waits for the GPU (Engine.set_wait_work), if set.
         self.wait_work: Callable[[], None] | None = None
         if gpu_sampling:
-            # exllamav2 allocates this buffer in pageable memory despite its name, and the
-            # copy of a step's logits into it took 1.1 ms at 64 jobs; pinned, the GPU writes
-            # it directly.
+            # exllamav2 allocates this buffer in pageable memory despite its name, so the
+            # copy of a step's logits into it is staged and holds the step up at many jobs;
+            # pinned, the GPU writes it directly.
             shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
             self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
         # The prefill loop's search for a partially matching page looks only at pages that
-        # could match (exllamav2_page_search.py); False searches every page, as exllamav2 does.
+        # could match (page_search.py); False searches every page, as exllamav2 does.
         self.narrow_page_search = True
         self.prefill_batcher: PrefillBatcher | None = None
         if prefill_batch_tokens > 0 and self.paged:
@@ -199,10 +200,10 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
 
     def warm_up_prefill(self) -> float:
         """Compile the attention kernel's prefill variants now rather than in the middle of
-        serving (measured: over a second of compiles in a 128-job burst, and 1.3 s in the
-        first pass of two prompts of one length). For each tile class: one job alone, two
-        jobs of one length in one unpadded pass, then, where rows may be padded, two jobs
-        of unequal length in one padded pass. Returns the seconds it took."""
+        serving, where a variant's first use stalls its step for the whole compile. For each
+        tile class: one job alone, two jobs of one length in one unpadded pass, then, where
+        rows may be padded, two jobs of unequal length in one padded pass. Returns the
+        seconds it took."""
         batcher = self.prefill_batcher
         if batcher is None:
             return 0.0
@@ -308,10 +309,10 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         mrope = self.model.config.arch.lm.mrope
         rope_offsets_list: list[Any] | None = [] if mrope else None
         # exllamav2 stamps a job's first decode step after cuda_sync_active(), once per job:
-        # a full GPU sync plus torch.cuda.memory_stats() (about 0.2 ms of Python) for each
-        # new job, all in the step that follows a burst's prefill. One host timestamp for the
-        # step instead; the stamp feeds only exllamav2's time_prefill/time_generate
-        # statistics, which exlq does not report.
+        # a full GPU sync plus torch.cuda.memory_stats() for each new job, all in the step
+        # that follows a burst's prefill. One host timestamp for the step instead; the stamp
+        # feeds only exllamav2's time_prefill/time_generate statistics, which exlq does not
+        # report.
         now = time.time()
         for job in jobs:
             if job.time_first_token is None:

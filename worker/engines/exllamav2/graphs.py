@@ -4,11 +4,11 @@ exllamav2 captures CUDA graphs only inside the C++ modules of quantized (EXL2) w
 only up to 32 rows. With fp16 weights every decode step launches ten-odd kernels per layer
 from Python, and with EXL2 weights each layer still runs its modules and attention from
 Python; at the batch sizes a worker runs, that host time, not the GPU, sets the step time
-(docs/PERFORMANCE.md). With EXL2 weights the model is loaded with exllamav2's own module
-graphs off (load_generator's decode_graphs): a module begins a capture of its own after
-its 205th call at one shape, which cannot nest in this one. And exllamav2's EXL2 matmul
-times its first calls at each small shape with a host wait, which would break a capture, so
-those calls run first (settle_gemm_tuning).
+(docs/PERFORMANCE.md, "On the GPU (exllamav2 engine options)"). With EXL2 weights the model
+is loaded with exllamav2's own module graphs off (load_generator's decode_graphs): a module
+begins a capture of its own after its 205th call at one shape, which cannot nest in this
+one. And exllamav2's EXL2 matmul times its first calls at each small shape with a host wait,
+which would break a capture, so those calls run first (settle_gemm_tuning).
 
 Up to 32 rows exllamav2 multiplies from EXL2 weights with a kernel that reads them once per
 4 rows; from 33 rows on it dequantizes each matrix and calls cuBLAS. Where the first is the
@@ -22,7 +22,7 @@ The dynamic generator's decode call has one shape per batch size (one new token 
 paged attention through a block table), so it is captured once per batch size at start-up
 and replayed. What varies between steps (the new tokens, the block table, the sequence
 lengths) is copied into static buffers the graphs read. The new tokens go in as ids when
-the embedding table is on the GPU (exllamav2_embedding.py; the graph gathers their rows),
+the embedding table is on the GPU (embedding.py; the graph gathers their rows),
 else as rows gathered on the CPU.
 
 Pinned to exllamav2 0.3.2 like the attention hook: another installed version gets no graphs
@@ -172,7 +172,7 @@ class DecodeGraphs:
         self._pad_rows = _QUANT_KERNEL_ROWS + 1 if has_quantized_layers(model) else None
         rows = max(max_batch, self._pad_rows or 0)  # the static buffers' rows
         self._pool = torch.cuda.graph_pool_handle()
-        # With the embedding table on the GPU (exllamav2_embedding.py) the graph starts from
+        # With the embedding table on the GPU (embedding.py) the graph starts from
         # the token ids and gathers their rows itself; else from the rows, gathered on the CPU.
         self._embed_in_graph = embedding_device(model) == str(self._device)
         input_shape: tuple[int, ...] = (rows, 1)

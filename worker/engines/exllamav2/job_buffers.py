@@ -5,9 +5,8 @@ the output it holds back between steps: its tokens, and their probabilities, top
 top-k probabilities and logits, which only a job that asks for them ever fills. Each
 allocates its buffer at once, 256 positions deep; the logits' is 256 x vocab float32, 33 MB
 of address space a job at a vocab of 32,000. Building a job is on the way to a burst's first
-token: on the H100's host a job's build took 156 µs with the five buffers and 123 µs with
-buffers allocated on first use (bursts of 32; 128 jobs 18.3 against 13.8 ms;
-docs/PERFORMANCE.md).
+token, and allocating five buffers that are mostly never written was a large part of it
+(docs/PERFORMANCE.md, "On the GPU (exllamav2 engine options)").
 
 OnDemandSeqTensor is exllamav2's SeqTensor with its buffer made on first use: a buffer that
 is never written is never made, and one that is written behaves as before.
@@ -21,9 +20,8 @@ and checks that held output is the same either way.
 The same class makes the job's two copies of its prompt's ids (exllamav2's job constructor
 calls ``SeqTensor.from_tensor`` for its input ids and its sequence ids, through the name
 the hook replaces) in one allocation: the ids padded with zeros to SeqTensor's capacity,
-where SeqTensor's own allocates the buffer, slices it and copies into the slice. On the
-H100's host the two took 32 µs of a job's 104 µs build, and take 19 µs so (a build 72 µs;
-docs/PERFORMANCE.md).
+where SeqTensor's own allocates the buffer, slices it and copies into the slice: the two
+copies were a sizeable part of a job's build, and one op each cuts most of that.
 """
 
 from __future__ import annotations
@@ -79,8 +77,8 @@ class OnDemandSeqTensor(SeqTensor):  # type: ignore[misc]
         made = SeqTensor.__new__(SeqTensor)
         made.seq_dim, made.seq_len, made.seq_cap = seq_dim, length, capacity
         # The pad's pairs run from the last dimension back to seq_dim. constant_pad_nd is
-        # what F.pad calls for a constant pad, without its checks of mode and value: 4.6
-        # against 6.5 µs on the H100's host, twice a job.
+        # what F.pad calls for a constant pad, without its checks of mode and value, which
+        # would be paid twice a job.
         pad = (0, 0) * (tensor.dim() - 1 - seq_dim) + (0, capacity - length)
         made.tensor = torch.constant_pad_nd(tensor, pad, 0)
         return made

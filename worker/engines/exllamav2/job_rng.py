@@ -1,12 +1,12 @@
 """A job's random generator seeded at its first draw, not when the job is made.
 
 exllamav2 0.3.2's ExLlamaV2DynamicJob constructor gives every job ``random.Random(seed)``
-(``random.Random()`` without a seed). Seeding a Mersenne Twister took 9-11 µs on the
-H100's host, about a ninth of a job's check and build, and the build is on the way to a
-burst's first token: the engine builds a burst's jobs one after another before their
-first step. The job draws from its generator once a step, to sample its next token;
-exlq's GPU sampling draws while the GPU runs the step's forward pass, so a generator first
-drawn from there is seeded in the GPU's shadow (docs/PERFORMANCE.md).
+(``random.Random()`` without a seed). Seeding a Mersenne Twister is a noticeable part of a
+job's check and build, and the build is on the way to a burst's first token: the engine
+builds a burst's jobs one after another before their first step. The job draws from its
+generator once a step, to sample its next token; exlq's GPU sampling draws while the GPU
+runs the step's forward pass, so a generator first drawn from there is seeded in the GPU's
+shadow (docs/PERFORMANCE.md, "On the GPU (exllamav2 engine options)").
 
 JobRandom holds the seed and makes the ``random.Random`` on the first draw: the same
 stream of draws, seeded later. install_job_rng() puts it in the place of the module

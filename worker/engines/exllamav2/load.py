@@ -6,7 +6,7 @@ the embedding table to the GPU (asked for) -> tokenizer -> generator (exlq's sub
 its levers are asked for). The worker's
 engine, the benchmarks and the GPU tests all load through here, so what they measure and
 test is what the worker runs. Attention is installed by the caller, before this runs
-(exllamav2_attention.install_attention).
+(attention.install_attention).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def load_generator(
     (None: exllamav2's default) is held to what the model's scratch allows, in whole pages.
     ``admit_prompt_tokens`` > 0: the jobs one step starts hold at most that many prompt
     tokens together (exlq's generator). ``gpu_embedding``: the embedding table moves to the
-    GPU where there is room (exllamav2_embedding.py); else it stays in system memory, as
+    GPU where there is room (embedding.py); else it stays in system memory, as
     exllamav2 loads it. ``decode_graphs``: warm_up captures the decode step whole, so
     quantized modules are loaded without exllamav2's own graphs, which a capture cannot
     hold; fp16 modules have none either way. One flag, here, decides both.

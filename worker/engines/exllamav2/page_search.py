@@ -7,8 +7,8 @@ of generator.all_pages and, for each one whose prev_hash is the chunk's, compare
 job's own page (a dataclass __eq__ over its sixteen fields) and calls ext_c.count_match. Every
 page of a fresh cache, and the first page of every sequence since, has prev_hash None: a
 new job's first chunk paid both calls for nearly every page of the cache, one job after
-another, before the step's first prefill pass reached the GPU (docs/PERFORMANCE.md, "The
-prefill's search of every page").
+another, before the step's first prefill pass reached the GPU (docs/PERFORMANCE.md, "On the
+GPU (exllamav2 engine options)").
 
 While exlq's generator runs its jobs' prefill(), generator.all_pages is a PageSearch. Iterated,
 it yields, in all_pages' order, only the pages whose match could be taken. Its length and

@@ -14,7 +14,7 @@ Two things must see the keys/values of a recorded pass, so they run the recorded
 first: a copy_states (the partial-page match reads another page), and a pass that reads or
 writes a page a recorded pass writes or reads (pages shared through the prefix cache).
 Padding never reaches the cache: exlq's attention kernel stores only each row's real tokens
-(exllamav2_attention.right_padded). Under flash-attn, which cannot, only chunks of equal
+(attention.right_padded). Under flash-attn, which cannot, only chunks of equal
 length share a pass. tests/gpu/test_batched_prefill.py checks the calls this relies on and
 that batched and one-by-one prefill give the same logits.
 """
