@@ -253,7 +253,9 @@ def _open_sockets_to(port: int) -> list[asyncio.Transport]:
     """This process's asyncio transports whose socket to 127.0.0.1:``port`` is open."""
     found = []
     for item in gc.get_objects():
-        if isinstance(item, asyncio.Transport):
+        # type(), not isinstance(): isinstance asks an object's __class__, and some objects
+        # of other libraries the process has loaded warn when asked (torch's reduce_op).
+        if issubclass(type(item), asyncio.Transport):
             sock, peer = item.get_extra_info("socket"), item.get_extra_info("peername")
             if sock is not None and peer and peer[1] == port and sock.fileno() != -1:
                 found.append(item)
