@@ -98,6 +98,12 @@ def submit(
             help="queue the job even when no live worker serves the queue (warn, then wait)",
         ),
     ] = False,
+    chat: Annotated[
+        bool,
+        typer.Option(
+            "--chat", help="send the prompt as a user message, in the model's chat template"
+        ),
+    ] = False,
 ) -> None:
     """Submit a job and print its result (or its tokens as they arrive with --stream).
 
@@ -120,9 +126,11 @@ def submit(
     }
     if job_id:
         fields["id"] = job_id
+    if chat:
+        fields["messages"] = [{"role": "user", "content": text}]
     _show_sdk_warnings()
     options = _SubmitOptions(stream, as_json, timeout, wait_for_worker)
-    _run(_submit(redis_url, queue, prefix, text, fields, options))
+    _run(_submit(redis_url, queue, prefix, None if chat else text, fields, options))
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,7 @@ async def _submit(
     redis_url: str,
     queue: str,
     prefix: str,
-    prompt: str,
+    prompt: str | None,
     fields: dict[str, Any],
     options: _SubmitOptions,
 ) -> None:

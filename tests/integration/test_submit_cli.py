@@ -4,6 +4,7 @@ says which job timed out, a queue without workers that says so, and `exlq --vers
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from exlq import __version__
+from exlq.protocol.keys import QueueKeys
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -50,6 +52,19 @@ async def test_submit_prints_the_job_id_on_stderr_and_only_the_text_on_stdout(
     assert done.returncode == 0, done.stderr
     assert done.stdout == " cli words cli\n"
     assert _JOB_LINE.search(done.stderr), done.stderr
+
+
+async def test_chat_sends_the_prompt_as_a_user_message(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: Any
+) -> None:
+    await start_worker()
+    done = await asyncio.to_thread(_submit, redis_url, queue_name, "--chat", "--timeout", "20")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == " cli words cli\n"  # the echo engine echoes the last message
+    entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
+    request = json.loads(entries[-1][1][b"job"])
+    assert request["messages"] == [{"role": "user", "content": "cli words"}]
+    assert "prompt" not in request or request["prompt"] is None
 
 
 def test_a_timeout_names_the_job_and_how_to_cancel_it(redis_url: str, queue_name: str) -> None:
