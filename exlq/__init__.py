@@ -17,52 +17,8 @@ _checkout = Path(__file__).resolve().parent.parent
 if not (Path(__file__).parent / "worker").is_dir() and (_checkout / "worker").is_dir():
     __path__.append(str(_checkout))
 
+from exlq import producer as _sdk  # noqa: E402
 from exlq._version import __version__  # noqa: E402
-from exlq.producer import (  # noqa: E402
-    AsyncProducer,
-    ChatMessage,
-    DoneEvent,
-    ErrorEvent,
-    Event,
-    ExlqError,
-    GenerationRequest,
-    InvalidRequest,
-    JobFailed,
-    JobHandle,
-    JobRestarted,
-    JobResult,
-    JobStatus,
-    NoWorkers,
-    Producer,
-    QueueFull,
-    QueueKeys,
-    RequeuedEvent,
-    Sampling,
-    SyncJobHandle,
-    TokenEvent,
-)
+from exlq.producer import *  # noqa: E402, F403 - the SDK's names are the package's
 
-__all__ = [
-    "AsyncProducer",
-    "ChatMessage",
-    "DoneEvent",
-    "ErrorEvent",
-    "Event",
-    "ExlqError",
-    "GenerationRequest",
-    "InvalidRequest",
-    "JobFailed",
-    "JobHandle",
-    "JobRestarted",
-    "JobResult",
-    "JobStatus",
-    "NoWorkers",
-    "Producer",
-    "QueueFull",
-    "QueueKeys",
-    "RequeuedEvent",
-    "Sampling",
-    "SyncJobHandle",
-    "TokenEvent",
-    "__version__",
-]
+__all__ = [*_sdk.__all__, "__version__"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from exlq.protocol.models import FinishReason
@@ -16,6 +15,7 @@ from exlq.worker.engines.base import (
     UsesDeviceWait,
 )
 from exlq.worker.engines.engine_request import EngineRequest
+from exlq.worker.engines.stop_strings import first_stop, held_back
 
 # The echo engine's "tokens" are the prompt's words, cycled; one id per word position.
 _PAGE_TOKENS = 256
@@ -81,7 +81,7 @@ class EchoEngine(Engine, UsesDeviceWait):
         job.text.append(" " + job.words[job.emitted % len(job.words)])
         job.emitted += 1
         full = "".join(job.text)
-        stop_at = _find_stop(job.request.stop, full)
+        stop_at = first_stop(job.request.stop, full)
         done = stop_at is not None or job.emitted >= job.request.max_new_tokens
         if stop_at is not None:
             end = stop_at
@@ -89,7 +89,7 @@ class EchoEngine(Engine, UsesDeviceWait):
             end = len(full)
         else:
             # Hold back text that may be the start of a stop string, as real engines do.
-            end = len(full) - _held_back(job.request.stop, full)
+            end = len(full) - held_back(job.request.stop, full)
         outputs: list[EngineOutput] = []
         if end > job.sent:
             outputs.append(TokenChunk(job_id, full[job.sent : end], [job.emitted - 1]))
@@ -123,20 +123,3 @@ class EchoEngine(Engine, UsesDeviceWait):
         tokens = sum(job.prompt_tokens + job.emitted for job in self._jobs.values())
         pages_total = max(self.capacity * 4, 1)
         return CacheUsage(min(-(-tokens // _PAGE_TOKENS), pages_total), pages_total)
-
-
-def _find_stop(stops: Sequence[str], text: str) -> int | None:
-    positions = [text.find(stop) for stop in stops]
-    found = [p for p in positions if p >= 0]
-    return min(found) if found else None
-
-
-def _held_back(stops: Sequence[str], text: str) -> int:
-    """Length of the longest tail of ``text`` that begins some stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest

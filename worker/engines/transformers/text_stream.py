@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from exlq.worker.engines.stop_strings import first_stop, held_back
+
 # Decoded text ends in U+FFFD while a character's bytes are split over tokens: byte-level
 # BPE tokenizers give each byte of a rare character its own token.
 _INCOMPLETE = "\ufffd"
@@ -60,12 +62,12 @@ class StopStrings:
         # Given-out text never holds the start of a stop string (it was held back while it
         # could have), so a stop string can only begin inside the pending text.
         pending = self._pending + text
-        found = _first_stop(self._stops, pending)
+        found = first_stop(self._stops, pending)
         if found is not None:
             self.stopped = True
             self._pending = ""
             return pending[:found]
-        keep = _held_back(self._stops, pending)
+        keep = held_back(self._stops, pending)
         self._pending = pending[len(pending) - keep :]
         return pending[: len(pending) - keep]
 
@@ -99,19 +101,3 @@ class TextStream:
         """The rest of the text, at a job's end for any reason but a stop string."""
         text = self._stops.add(self._decoder.flush())
         return text + self._stops.flush()
-
-
-def _first_stop(stops: Sequence[str], text: str) -> int | None:
-    positions = [at for at in (text.find(stop) for stop in stops) if at >= 0]
-    return min(positions) if positions else None
-
-
-def _held_back(stops: Sequence[str], text: str) -> int:
-    """Length of the longest tail of ``text`` that begins some stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
