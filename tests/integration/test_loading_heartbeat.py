@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,42 +20,40 @@ from exlq.worker.settings import WorkerSettings
 pytestmark = pytest.mark.integration
 
 
-def _settings(redis_url: str, queue: str) -> WorkerSettings:
-    return WorkerSettings.load(
-        engine="echo", redis_url=redis_url, queue=queue, heartbeat_seconds=0.1
+@pytest.fixture
+async def loading(
+    redis_url: str, queue_name: str
+) -> AsyncIterator[tuple[WorkerSettings, Broker, QueueKeys]]:
+    """A worker's settings (heartbeats every 0.1 s) and broker, as serve() has them while
+    its engine loads."""
+    settings = WorkerSettings.load(
+        engine="echo", redis_url=redis_url, queue=queue_name, heartbeat_seconds=0.1
     )
+    keys = QueueKeys(queue_name)
+    broker = Broker.from_url(redis_url, keys, "loader", result_ttl_s=60, dead_max_len=10)
+    yield settings, broker, keys
+    await broker.close()
 
 
 async def test_a_loading_worker_is_seen_serving_and_not_ready(
-    redis_url: str, queue_name: str, redis_client: aioredis.Redis
+    loading: tuple[WorkerSettings, Broker, QueueKeys], redis_client: aioredis.Redis
 ) -> None:
-    settings = _settings(redis_url, queue_name)
-    keys = QueueKeys(queue_name)
-    broker = Broker.from_url(redis_url, keys, "loader", result_ttl_s=60, dead_max_len=10)
-    try:
-        async with _heartbeats_while_loading(settings, broker):
-            await asyncio.sleep(0.35)  # a few beats
-            raw = await redis_client.hget(keys.workers, "loader")
-            assert raw is not None
-            assert json.loads(raw)["ready"] is False
-            # A producer's check of the heartbeats counts it as a worker for the queue.
-            watch = WorkerWatch(redis_client, keys)
-            assert await watch.served()
-    finally:
-        await broker.close()
+    settings, broker, keys = loading
+    async with _heartbeats_while_loading(settings, broker):
+        await asyncio.sleep(0.35)  # a few beats
+        raw = await redis_client.hget(keys.workers, "loader")
+        assert raw is not None
+        assert json.loads(raw)["ready"] is False
+        # A producer's check of the heartbeats counts it as a worker for the queue.
+        assert await WorkerWatch(redis_client, keys).served()
 
 
 async def test_a_failed_load_takes_its_heartbeat_back(
-    redis_url: str, queue_name: str, redis_client: aioredis.Redis
+    loading: tuple[WorkerSettings, Broker, QueueKeys], redis_client: aioredis.Redis
 ) -> None:
-    settings = _settings(redis_url, queue_name)
-    keys = QueueKeys(queue_name)
-    broker = Broker.from_url(redis_url, keys, "loader", result_ttl_s=60, dead_max_len=10)
-    try:
-        with pytest.raises(RuntimeError, match="no model"):
-            async with _heartbeats_while_loading(settings, broker):
-                await asyncio.sleep(0.25)
-                raise RuntimeError("no model")
-        assert await redis_client.hget(keys.workers, "loader") is None
-    finally:
-        await broker.close()
+    settings, broker, keys = loading
+    with pytest.raises(RuntimeError, match="no model"):
+        async with _heartbeats_while_loading(settings, broker):
+            await asyncio.sleep(0.25)
+            raise RuntimeError("no model")
+    assert await redis_client.hget(keys.workers, "loader") is None
