@@ -164,7 +164,6 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             prefill_batch_tokens=settings.prefill_batch_tokens,
             admit_prompt_tokens=settings.admit_prompt_tokens,
             max_chunk_size=settings.max_chunk_size,
-            sampling_threads=1,  # more did no better: the GPU samples the common cases
             gpu_embedding=settings.gpu_embedding,
             decode_graphs=settings.cuda_graphs,
         )

@@ -60,7 +60,9 @@ def load_generator(
     prefill_batch_tokens: int,
     admit_prompt_tokens: int = 0,
     max_chunk_size: int | None = None,
-    sampling_threads: int = 16,
+    # exllamav2's CPU sampler threads; its default of 16 did no better than 1 (the GPU
+    # samples the common cases), so the engine loads with 1 and the benchmarks may vary it.
+    sampling_threads: int = 1,
     paged: bool = True,
     gpu_embedding: bool = False,
     decode_graphs: bool = False,
