@@ -114,6 +114,7 @@ async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callabl
             redis.consumer_name,
             result_ttl_s=redis.result_ttl_seconds,
             dead_max_len=redis.dead_stream_max_len,
+            max_entry_bytes=settings.limits.max_request_bytes,
         )
         metrics = Metrics(settings.queue_name)
         worker = Worker(settings, EngineLoop(engine), broker, metrics)

@@ -2,117 +2,59 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from pydantic_core import to_json
 from redis.exceptions import ResponseError
 
-from exlq.protocol.batch_script import per_job_script, reply_pairs
+from exlq.protocol.batch_script import reply_pairs
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
+from exlq.worker.broker_scripts import COMMIT_LUA, LOST_LUA, RENEW_LUA, START_MANY_LUA, TAKE_LUA
+from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
 
-# One engine step's writes. KEYS: jobs stream, dead stream, then the result and job keys of
-# each final that names a job (its "k" is the index of its result key: every key a script
-# touches is declared, as Redis Cluster and ACLs expect). ARGV: group, consumer, result TTL,
-# dead stream cap, unused, the batch as JSON. Returns the entries this worker no longer owns
-# (their finals were not written).
-_COMMIT_LUA = """
-local batch = cjson.decode(ARGV[6])
-if batch.publish then
-  for _, p in ipairs(batch.publish) do redis.call('PUBLISH', p[1], p[2]) end
-end
-local lost = {}
-if not batch.finals then return lost end
-for _, f in ipairs(batch.finals) do
-  local owner = redis.call('XPENDING', KEYS[1], ARGV[1], f.entry, f.entry, 1)[1]
-  local job = f.k and KEYS[f.k + 1]
-  local other = f.guard and redis.call('HGET', job, 'entry')
-  if owner == nil or owner[2] ~= ARGV[2] then
-    table.insert(lost, f.entry)
-  else
-    if other and other ~= f.entry then
-      -- A rejected entry naming another entry's job: leave that job's result and events be.
-      f.result = nil
-      f.event = nil
-    end
-    if f.result then
-      redis.call('SET', KEYS[f.k], f.result, 'EX', ARGV[3])
-      redis.call('HSET', job, 'state', f.state, 'worker', ARGV[2])
-      redis.call('EXPIRE', job, ARGV[3])
-    end
-    if f.dead then
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(f.dead))
-    end
-    if f.event then redis.call('PUBLISH', f.channel, f.event) end
-    redis.call('XACK', KEYS[1], ARGV[1], f.entry)
-  end
-end
-return lost
-"""
+log = logging.getLogger(__name__)
 
-# Renew this worker's claim on entries it still owns (resets their idle time) and the TTL
-# of their jobs' state hashes, and report the ones another worker has taken: never take an
-# entry back from its new owner. The start script gives a job's hash the result TTL; a run
-# longer than that would lose the hash mid-run, and with it the cancel flag and the count
-# of attempts (a retry would count from 1 again, and subscribers would drop its events as
-# an earlier attempt's). KEYS[1] is the jobs stream, KEYS[1 + i] job i's hash; ARGV: group,
-# consumer, state TTL, then entry i at ARGV[3 + i].
-_RENEW_LUA = """
-local lost = {}
-for i = 4, #ARGV do
-  local owner = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
-  if owner ~= nil and owner[2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    redis.call('EXPIRE', KEYS[i - 2], ARGV[3])
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-return lost
-"""
-
-# Runs when a worker takes entries: for each, skip jobs that ended or were cancelled,
-# count the attempt and record who runs it, atomically so two entries of one id never both
-# run. KEYS[i] is job i's state hash, ARGV[2 + i] its entry; ARGV[1] the consumer, ARGV[2]
-# the state TTL.
-_START_MANY_LUA = per_job_script(
-    """
-local function start(job, entry_id)
-  local state = redis.call('HGET', job, 'state')
-  if state == 'done' or state == 'failed' or state == 'cancelled' or state == 'expired' then
-    return {'ended', state}
-  end
-  local entry = redis.call('HGET', job, 'entry')
-  if entry and entry ~= entry_id then return {'duplicate', entry} end
-  if redis.call('HGET', job, 'cancel') == '1' then return {'cancel', '0'} end
-  local attempts = redis.call('HINCRBY', job, 'attempts', 1)
-  redis.call('HSET', job, 'state', 'running', 'worker', ARGV[1], 'entry', entry_id)
-  redis.call('EXPIRE', job, ARGV[2])
-  return {'run', tostring(attempts)}
-end""",
-    "start",
-    first_key=1,
-    arg_offset=2,
-)
+# An entry longer than the worker's limit comes back as its first this many bytes: enough
+# for its id (the SDK writes it first) and for the dead-letter entry that shows what it was.
+ENTRY_HEAD_BYTES = 16 * 1024
+# How long the commit markers outlive the queue's last write: a batch is sent again only
+# while Redis is away, and a worker retries its batch until Redis is back. A stopped
+# worker's marker goes with its consumer (Broker.leave, forget_idle_consumers).
+COMMIT_MARKER_TTL_S = 24 * 3600
 
 
 @dataclass(frozen=True, slots=True)
 class StreamEntry:
     entry_id: str
-    payload: bytes | None  # the ``job`` field; None when the entry has none
+    payload: bytes | None  # the ``job`` field (its head if too long); None when it has none
     # The ``more`` field is 1: its producer is writing more of the same burst right behind
     # it (exlq.producer.submit_batch); a hint to wait for them, never needed to run the job.
     more: bool = False
+    size: int = -1  # the ``job`` field's full length in bytes (-1: none)
+    # This host's clock when the command that gave the entry to this worker went out: its
+    # idle time in Redis counts from later than that.
+    claimed_at: float = 0.0
 
     @property
     def enqueued_at_server(self) -> float:
         """Unix time (Redis server clock) at which XADD created the entry."""
         return int(self.entry_id.split("-", 1)[0]) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """What one read brought, and whether more may be waiting behind it."""
+
+    entries: list[StreamEntry]
+    complete: bool  # False: it stopped at a count, and more may have landed
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,76 +67,6 @@ class StartDecision:
         return int(self.detail) if self.verdict == "run" else 0
 
 
-@dataclass(frozen=True, slots=True)
-class Final:
-    """How one entry ends: its result, its last event, perhaps a dead-letter entry, the ack."""
-
-    entry_id: str
-    job_id: str | None = None
-    state: str | None = None
-    result_json: str | None = None
-    channel: str | None = None
-    event_json: str | None = None
-    dead: dict[str, str] | None = None
-    # Write the result and event only if the job's hash names this entry or no entry: a
-    # malformed entry must not overwrite another entry's job of the same id.
-    guard: bool = False
-
-
-@dataclass
-class Batch:
-    """Writes gathered from one or more engine steps, sent in one atomic script call.
-
-    Token events go out first, in order. Each final is written only if this worker still
-    owns the entry (a worker that lost its claim during an outage must not write a second
-    result), and its result, final event and ack are written together."""
-
-    publishes: list[tuple[str, str]] = field(default_factory=list)
-    finals: list[Final] = field(default_factory=list)
-
-    def publish(self, channel: str, event_json: str) -> None:
-        self.publishes.append((channel, event_json))
-
-    def finish(self, final: Final) -> None:
-        self.finals.append(final)
-
-    def __len__(self) -> int:
-        return len(self.publishes) + len(self.finals)
-
-    def encode(self, keys: QueueKeys) -> tuple[list[str], bytes]:
-        """The script's KEYS and its batch argument (JSON, by pydantic's writer: faster than
-        json.dumps for a step's token events)."""
-        script_keys = [keys.jobs, keys.dead]
-        finals = []
-        for f in self.finals:
-            # Absent, never null: cjson decodes null to a value Lua treats as true.
-            final: dict[str, Any] = {"entry": f.entry_id}
-            if f.job_id is not None:
-                final["k"] = len(script_keys) + 1  # Lua counts from 1
-                script_keys += [keys.result(f.job_id), keys.job(f.job_id)]
-            for name, value in (
-                ("state", f.state),
-                ("result", f.result_json),
-                ("channel", f.channel),
-                ("event", f.event_json),
-                ("dead", _flat(f.dead)),
-                ("guard", f.guard or None),
-            ):
-                if value is not None:
-                    final[name] = value
-            finals.append(final)
-        body: dict[str, Any] = {}
-        if self.publishes:
-            body["publish"] = [[channel, event] for channel, event in self.publishes]
-        if finals:
-            body["finals"] = finals
-        return script_keys, to_json(body)
-
-
-def _flat(fields: dict[str, str] | None) -> list[str] | None:
-    return None if fields is None else [x for pair in fields.items() for x in pair]
-
-
 class Broker:
     def __init__(
         self,
@@ -204,15 +76,22 @@ class Broker:
         *,
         result_ttl_s: int,
         dead_max_len: int,
+        max_entry_bytes: int = 1_000_000,
     ) -> None:
         self.client = client
         self.keys = keys
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
         self.dead_max_len = dead_max_len
-        self._start = client.register_script(_START_MANY_LUA)
-        self._commit = client.register_script(_COMMIT_LUA)
-        self._renew = client.register_script(_RENEW_LUA)
+        self.max_entry_bytes = max_entry_bytes
+        self.groups_recreated = 0
+        self._start = client.register_script(START_MANY_LUA)
+        self._take_script = client.register_script(TAKE_LUA)
+        self._commit = client.register_script(COMMIT_LUA)
+        self._renew = client.register_script(RENEW_LUA)
+        self._lost = client.register_script(LOST_LUA)
+        # Names each batch uniquely across restarts of a worker of the same consumer name.
+        self._batch_names = (f"{secrets.token_hex(8)}:{n}" for n in itertools.count())
 
     @classmethod
     def from_url(cls, url: str, keys: QueueKeys, consumer: str, **options: Any) -> Broker:
@@ -240,22 +119,78 @@ class Broker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read(self, count: int, block_ms: int | None) -> list[StreamEntry]:
-        """Up to ``count`` new entries; wait up to ``block_ms`` for the first (None: no wait)."""
-        # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
-        reply = cast(
-            "list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",
-            await self.client.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=count, block=block_ms
-            ),
+    async def _group_back(self, exc: ResponseError) -> None:
+        """Redis answered NOGROUP: the stream or its consumer group is gone (a restart
+        without persistence, a flush, a deleted key). Create the group again, from the
+        stream's start, so that what producers add from now on is served; re-raise any
+        other error."""
+        if not str(exc).startswith("NOGROUP"):
+            raise exc
+        self.groups_recreated += 1
+        log.warning(
+            "the consumer group of queue %r is gone (%s): Redis lost its data, or the key was "
+            "deleted; creating it again. Jobs Redis held are lost; run Redis with "
+            "appendonly yes to keep them",
+            self.keys.queue,
+            exc,
         )
-        entries: list[StreamEntry] = []
-        for _stream, messages in reply or []:
-            for entry_id, fields in messages:
-                entries.append(
-                    StreamEntry(entry_id.decode(), fields.get(b"job"), fields.get(b"more") == b"1")
-                )
-        return entries
+        await self.ensure_group()
+
+    async def read(self, count: int, block_ms: int | None) -> Read:
+        """Up to ``count`` new entries. When none is waiting, wait up to ``block_ms`` (None:
+        no wait) for the first, which comes alone: the rest comes through the take script,
+        which never hands over more than ENTRY_HEAD_BYTES of an entry over the size limit.
+        So a read holds at most one whole entry, however large."""
+        entries, _ = await self._take("read", count)
+        if entries or block_ms is None:
+            return Read(entries, complete=len(entries) < count)
+        claimed_at = time.time()
+        try:
+            reply = await self.client.xreadgroup(
+                CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=1, block=block_ms
+            )
+        except ResponseError as exc:
+            await self._group_back(exc)
+            return Read([], complete=True)
+        # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
+        messages = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", reply or [])
+        entries = [
+            StreamEntry(
+                entry_id.decode(),
+                fields.get(b"job"),
+                fields.get(b"more") == b"1",
+                len(fields.get(b"job") or b"") if b"job" in fields else -1,
+                claimed_at,
+            )
+            for _stream, taken in messages
+            for entry_id, fields in taken
+        ]
+        # Alone only because of its count of 1: a producer's burst says so (its ``more``
+        # field), and a read that asked for one has its count.
+        return Read(entries, complete=len(entries) < count)
+
+    async def _take(
+        self, how: str, count: int, cursor: str = "0-0", min_idle_ms: int = 0
+    ) -> tuple[list[StreamEntry], str]:
+        """Entries read ('read') or claimed ('claim', from ``cursor``) by the take script,
+        and the cursor to go on from."""
+        claimed_at = time.time()
+        args: list[str | int] = [how, CONSUMER_GROUP, self.consumer, count]
+        args += [self.max_entry_bytes, cursor, ENTRY_HEAD_BYTES, min_idle_ms]
+        try:
+            reply = cast("list[Any]", await self._take_script(keys=[self.keys.jobs], args=args))
+        except ResponseError as exc:
+            await self._group_back(exc)
+            return [], "0-0"
+        next_cursor = _text(reply[0])
+        rows = reply[1:]
+        entries = [
+            StreamEntry(_text(entry_id), payload, more == b"1", int(size), claimed_at)
+            for entry_id, payload, more, size in zip(
+                rows[::4], rows[1::4], rows[2::4], rows[3::4], strict=True
+            )
+        ]
+        return entries, next_cursor
 
     async def start_jobs(self, starts: list[tuple[str, str]]) -> list[StartDecision]:
         """For each (job_id, entry_id), decide whether to run it and count the attempt."""
@@ -267,26 +202,50 @@ class Broker:
         reply = await self._start(keys=keys, args=args)
         return [StartDecision(verdict, detail) for verdict, detail in reply_pairs(reply)]
 
-    async def commit(self, batch: Batch) -> list[str]:
-        """Write a batch atomically; returns the entries whose finals were not written
-        because another worker owns them now."""
+    async def commit(self, batch: Batch) -> list[tuple[str, str]]:
+        """Write a batch; returns (entry, reason) for the entries whose events or final were
+        not written: 'taken' (another worker owns it now), 'gone' (Redis no longer holds it
+        pending) or 'error: ...' (Redis refused a final's writes). Sent again after a lost
+        reply, a batch publishes nothing twice (broker_scripts.COMMIT_LUA). A batch too
+        large for one call goes as several, in order."""
+        if batch.name is None:
+            batch.name = next(self._batch_names)
         script_keys, body = batch.encode(self.keys)
-        lost = await self._commit(
-            keys=script_keys,
-            args=[CONSUMER_GROUP, self.consumer, self.result_ttl_s, self.dead_max_len, "", body],
+        if len(body) > MAX_CALL_BYTES and len(batch) > 1:
+            first, second = batch.halves()
+            return [*await self.commit(first), *await self.commit(second)]
+        reply = await self._commit(
+            keys=[self.keys.jobs, self.keys.dead, self.keys.commits, *script_keys],
+            args=[
+                CONSUMER_GROUP,
+                self.consumer,
+                self.result_ttl_s,
+                self.dead_max_len,
+                batch.lease_until_ms,
+                body,
+                batch.name,
+                COMMIT_MARKER_TTL_S,
+            ],
         )
-        return [entry.decode() for entry in lost]
+        return reply_pairs(reply)
 
-    async def renew(self, jobs: list[tuple[str, str]]) -> list[str]:
+    async def announce_lost(self, job_id: str, channel: str, event_json: str) -> bool:
+        """Publish the event that tells a job's subscribers Redis lost it, unless its state
+        exists again; True if published."""
+        published = await self._lost(keys=[self.keys.job(job_id)], args=[channel, event_json])
+        return bool(published)
+
+    async def renew(self, jobs: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """Reset the idle time of the entries this worker runs, given as (job_id,
-        entry_id), and the TTL of their jobs' state; returns the entries it lost."""
+        entry_id), and the TTL of their jobs' state; returns (entry, 'taken' or 'gone')
+        for those it no longer owns."""
         if not jobs:
             return []
         lost = await self._renew(
             keys=[self.keys.jobs, *(self.keys.job(job_id) for job_id, _ in jobs)],
             args=[CONSUMER_GROUP, self.consumer, self.result_ttl_s, *(e for _, e in jobs)],
         )
-        return [entry.decode() for entry in lost]
+        return reply_pairs(lost)
 
     async def reclaim(self, count: int, min_idle_ms: int) -> list[StreamEntry]:
         """Take over up to ``count`` entries whose owner stopped renewing them (XAUTOCLAIM
@@ -294,21 +253,8 @@ class Broker:
         taken: list[StreamEntry] = []
         cursor = "0-0"
         while len(taken) < count:
-            reply = await self.client.xautoclaim(
-                self.keys.jobs,
-                CONSUMER_GROUP,
-                self.consumer,
-                min_idle_ms,
-                start_id=cursor,
-                count=count - len(taken),
-            )
-            cursor = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-            for item in reply[1]:
-                if item is None:  # deleted while pending (Redis 6.2 reports it so)
-                    continue
-                entry_id, fields = item[0], item[1]
-                payload = _field(fields, b"job") if fields else None
-                taken.append(StreamEntry(entry_id.decode(), payload))
+            entries, cursor = await self._take("claim", count - len(taken), cursor, min_idle_ms)
+            taken += entries
             if cursor == "0-0":
                 break
         return taken
@@ -325,8 +271,14 @@ class Broker:
 
     async def trim(self) -> int:
         """Drop stream entries that every consumer group has delivered and acknowledged;
-        returns how many. Never drops an entry some group has not finished."""
-        groups = await self.client.xinfo_groups(self.keys.jobs)
+        returns how many. Never drops an entry some group has not finished. A stream
+        Redis no longer holds has nothing to trim (the reader creates it again)."""
+        try:
+            groups = await self.client.xinfo_groups(self.keys.jobs)
+        except ResponseError as exc:
+            if _no_stream(exc):
+                return 0
+            raise
         if not groups:
             return 0
         keep_from: list[tuple[int, int]] = []
@@ -345,13 +297,20 @@ class Broker:
 
     async def forget_idle_consumers(self, idle_ms: int) -> int:
         """Delete consumers of the group that hold nothing and were idle this long."""
-        consumers = await self.client.xinfo_consumers(self.keys.jobs, CONSUMER_GROUP)
+        try:
+            consumers = await self.client.xinfo_consumers(self.keys.jobs, CONSUMER_GROUP)
+        except ResponseError as exc:
+            if _no_stream(exc):
+                return 0
+            raise
         gone = 0
         for consumer in consumers:
             name = consumer["name"]
             name = name.decode() if isinstance(name, bytes) else str(name)
             if name != self.consumer and not consumer["pending"] and consumer["idle"] > idle_ms:
-                gone += await self.client.xgroup_delconsumer(self.keys.jobs, CONSUMER_GROUP, name)
+                await self.client.xgroup_delconsumer(self.keys.jobs, CONSUMER_GROUP, name)
+                await self.client.hdel(self.keys.commits, name)
+                gone += 1
         return gone
 
     async def cancel_requests(self) -> AsyncIterator[str]:
@@ -379,7 +338,11 @@ class Broker:
             await self.client.hdel(self.keys.workers, *stale)
 
     async def leave(self) -> None:
-        await self.client.hdel(self.keys.workers, self.consumer)
+        """A worker that stops: its heartbeat and its commit marker go."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hdel(self.keys.workers, self.consumer)
+        pipe.hdel(self.keys.commits, self.consumer)
+        await pipe.execute()
 
 
 def _parse_id(raw: bytes | str) -> tuple[int, int]:
@@ -388,16 +351,14 @@ def _parse_id(raw: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _field(fields: Any, name: bytes) -> bytes | None:
-    """A field of an entry, from the flat list XAUTOCLAIM returns or a dict."""
-    if isinstance(fields, dict):
-        value = fields.get(name)
-        return value if isinstance(value, bytes) else None
-    pairs = list(fields)
-    for key, value in zip(pairs[::2], pairs[1::2], strict=True):
-        if key == name:
-            return value if isinstance(value, bytes) else None
-    return None
+def _no_stream(exc: ResponseError) -> bool:
+    """Redis's answer about a stream or consumer group it does not hold."""
+    message = str(exc)
+    return message.startswith("NOGROUP") or "no such key" in message.lower()
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def _last_seen(raw: bytes) -> float:

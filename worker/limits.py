@@ -21,11 +21,11 @@ class RequestLimits(BaseSettings):
     max_metadata_bytes: int = Field(16_384, ge=0)
     max_new_tokens: int = Field(8192, ge=1, le=65_536, description="largest max_new_tokens")
 
-    def check_size(self, payload: bytes) -> None:
-        """Before decoding: refuse what is too large to parse at all."""
-        if len(payload) > self.max_request_bytes:
+    def check_size(self, size: int) -> None:
+        """Before decoding: refuse what is too large to parse at all (``size`` bytes)."""
+        if size > self.max_request_bytes:
             raise InvalidRequest(
-                f"request: {len(payload)} bytes is over this worker's limit of "
+                f"request: {size} bytes is over this worker's limit of "
                 f"{self.max_request_bytes} (EXLQ_MAX_REQUEST_BYTES)"
             )
 

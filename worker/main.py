@@ -64,6 +64,7 @@ async def serve(settings: WorkerSettings) -> int:
         redis.consumer_name,
         result_ttl_s=redis.result_ttl_seconds,
         dead_max_len=redis.dead_stream_max_len,
+        max_entry_bytes=settings.limits.max_request_bytes,
     )
     try:
         await _check_redis(broker, redis.redis_url)

@@ -26,7 +26,8 @@ from exlq.protocol.models import (
     parse_request,
 )
 from exlq.worker import tracing
-from exlq.worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
+from exlq.worker.broker import Broker, Read, StartDecision, StreamEntry
+from exlq.worker.commit_batch import Batch, Final
 from exlq.worker.engine_loop import EngineRunner, StepReport
 from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
 from exlq.worker.gc_pauses import collections_deferred
@@ -57,6 +58,9 @@ log = logging.getLogger(__name__)
 # whole burst in one piece: the first slice waited for every job to be parsed, started and
 # piped.
 ACCEPT_PIECE = PIECE_JOBS
+
+# The jobs whose events a batch publishes, and so whose claims bound its lease.
+_LEASED = PUBLISHING - {LOST}
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
@@ -182,17 +186,17 @@ class Worker:
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
-                count = self.free_slots
-                entries = await self.broker.read(count, self.settings.broker.read_block_ms)
-                if entries:
+                read = await self.broker.read(self.free_slots, self.settings.broker.read_block_ms)
+                if read.entries:
                     # Redis answers a read with every entry that has landed, up to its
-                    # count. One that returns its count may have left some behind, and
-                    # slots may have been freed while it waited: the rest is read into the
-                    # same piece, so the engine starts the burst in one pass (_gather_burst;
-                    # that read goes out before the worker parses). One that returns fewer
-                    # had them all: its piece goes to the engine without another round trip.
+                    # count. One that stopped at its count (or waited, and brought the first
+                    # alone) may have left some behind, and slots may have been freed while
+                    # it waited: the rest is read into the same piece, so the engine starts
+                    # the burst in one pass (_gather_burst; that read goes out before the
+                    # worker parses). One that had them all goes to the engine without
+                    # another round trip.
                     async with self._intake:
-                        await self.accept(entries, read_behind=len(entries) >= count)
+                        await self.accept(read.entries, read_behind=not read.complete)
                 failures = 0
                 self.set_redis_ok(True)
             except RedisError as exc:
@@ -272,6 +276,7 @@ class Worker:
                     request=request,
                     channel=self.broker.keys.events(request.id),
                     enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
+                    claimed_at=entry.claimed_at,
                 )
             )
 
@@ -300,7 +305,7 @@ class Worker:
                     return
                 piece.flush()
                 try:
-                    rest = await read
+                    rest = (await read).entries
                 except RedisError:
                     return
                 if not rest:
@@ -313,7 +318,7 @@ class Worker:
 
     async def _read_ahead(
         self, taken: int, deadline: float, block: bool = True
-    ) -> asyncio.Task[list[StreamEntry]] | None:
+    ) -> asyncio.Task[Read] | None:
         """Send the read for the rest of a piece of which ``taken`` entries are in hand
         (``block``: waiting until ``deadline``, else only what has landed); None when the
         piece is full, the wait is over or the worker stops reading."""
@@ -341,7 +346,7 @@ class Worker:
     def _decode(self, entry: StreamEntry) -> GenerationRequest:
         if entry.payload is None:
             raise InvalidRequest("request: the stream entry has no 'job' field")
-        self.limits.check_size(entry.payload)
+        self.limits.check_size(entry.size)
         request = parse_request(entry.payload)
         self.limits.check(request)
         return request
@@ -369,7 +374,9 @@ class Worker:
             self._skip(batch, job, decision)
             return SKIPPED
         if job.attempt > 1:
-            batch.publish(job.channel, job.requeued_event("its previous worker stopped"))
+            batch.publish(
+                job.channel, job.requeued_event("its previous worker stopped"), job.entry_id
+            )
             self.metrics.job_requeued()
         max_attempts = self.settings.broker.max_attempts
         if job.attempt > max_attempts:
@@ -466,6 +473,7 @@ class Worker:
             for report in reports:
                 self._take_report(batch, report, ended)
             if batch:
+                batch.lease_until_ms = self._lease_until_ms()
                 # The events go out first; the token metrics are observed while Redis
                 # answers, where a burst's first events would otherwise wait for them.
                 commit = await started_task(self.commit(batch), name="exlq-commit")
@@ -482,6 +490,18 @@ class Worker:
                     self.jobs.commit(job)
                 self._slot_freed.set()
                 self._note_held()
+
+    def _lease_until_ms(self) -> int:
+        """Redis time until which no other worker can have taken an entry of a job this
+        worker publishes for: the oldest claim, plus three quarters of the claim idle time
+        (renewals come every quarter). Past it, the commit script checks each event's entry
+        before publishing it: a worker paused past the idle time (SIGSTOP, a stalled host)
+        must not publish for jobs another worker reran meanwhile."""
+        claims = [job.claimed_at for job in self.jobs.jobs_in(_LEASED)]
+        if not claims:
+            return 0
+        valid_s = self.settings.broker.claim_idle_ms / 1000 * 0.75
+        return int((min(claims) + valid_s + self.clock_offset_s) * 1000)
 
     def _take_report(self, batch: Batch, report: StepReport, ended: list[RunningJob]) -> None:
         if tracing.tracer is not None:
@@ -520,7 +540,7 @@ class Worker:
         if isinstance(output, TokenChunk):
             if not lost:
                 self._tokens_seen.append((job.enqueued_at, job.last_token_at, now, output))
-                batch.publish(job.channel, job.token_event(output, now))
+                batch.publish(job.channel, job.token_event(output, now), job.entry_id)
             return
         self.jobs.end(job)
         ended.append(job)
@@ -580,32 +600,33 @@ class Worker:
         self.metrics.job_failed(errored.code)
 
     async def commit(self, batch: Batch) -> None:
-        """Write a batch, retrying through Redis outages: a lost batch would lose events."""
+        """Write a batch, retrying through Redis outages: a lost batch would lose events.
+        A batch sent again publishes nothing twice (broker.Broker.commit)."""
         if tracing.tracer is not None:
             tracing.tracer.stage("commit_begun")
         try:
             # Tried once without the retry machinery first: building tenacity's loop would
             # cost every commit, on the way of every token, and a commit seldom needs it.
-            lost = await self.broker.commit(batch)
+            unwritten = await self.broker.commit(batch)
         except RedisError as exc:
             self.set_redis_ok(False)
             log.warning("writing to Redis failed (%s); retrying", exc)
-            lost = await self._commit_retrying(batch)
+            unwritten = await self._commit_retrying(batch)
         if tracing.tracer is not None:
             tracing.tracer.stage("commit_ended")
         self.set_redis_ok(True)
-        for entry_id in lost:
-            log.warning("entry %s was taken over by another worker; its result is theirs", entry_id)
+        if unwritten:
+            await self.entries_lost(unwritten)
 
-    async def _commit_retrying(self, batch: Batch) -> list[str]:
+    async def _commit_retrying(self, batch: Batch) -> list[tuple[str, str]]:
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(RedisError),
             wait=REDIS_BACKOFF,
             before_sleep=self._on_redis_retry("writing to Redis"),
         ):
             with attempt:
-                lost = await self.broker.commit(batch)
-        return lost
+                unwritten = await self.broker.commit(batch)
+        return unwritten
 
     def _on_redis_retry(self, what: str) -> Callable[[RetryCallState], None]:
         def report(state: RetryCallState) -> None:
@@ -621,7 +642,7 @@ class Worker:
     # -- cancellation --------------------------------------------------------------------
 
     async def _cancel_loop(self) -> None:
-        await forever(self._listen_for_cancels, "cancel listener", self.set_redis_ok, self.closing)
+        await forever(self._listen_for_cancels, "cancel listener", self.closing)
 
     async def _listen_for_cancels(self) -> None:
         async for job_id in self.broker.cancel_requests():
@@ -631,11 +652,29 @@ class Worker:
         """Stop a running job within one engine step."""
         self.jobs.stop(job_id, reason)
 
-    def drop_lost(self, entry_ids: list[str]) -> None:
-        """Another worker took these entries over (this one missed its renewals): stop
-        running them and write nothing for them."""
-        for job in self.jobs.lose(entry_ids):
+    async def entries_lost(self, unwritten: list[tuple[str, str]]) -> None:
+        """Entries whose writes Redis did not take, with why. 'taken': another worker took
+        the entry over (this one was paused, or missed its renewals): its jobs stop here,
+        and the new owner writes their events and results. 'gone': Redis no longer holds
+        the entry (a restart without persistence, a flush): its jobs stop, and where the
+        job's state is gone too, its subscribers hear an error event, code ``lost``."""
+        for entry_id, why in unwritten:
+            if why.startswith("error"):
+                log.error("Redis refused the final writes of entry %s (%s)", entry_id, why)
+        taken = [entry for entry, why in unwritten if why == "taken"]
+        for job in self.jobs.lose(taken):
             log.warning("job %s was taken over by another worker; stopping it here", job.job_id)
+        gone = {entry for entry, why in unwritten if why == "gone"}
+        for job in self.jobs.lose(gone):
+            log.warning("Redis lost job %s (entry %s); stopping it here", job.job_id, job.entry_id)
+        # An ended job's final went unwritten too: its subscribers are owed the news as well.
+        for job in self.jobs.jobs_in(HELD):
+            if job.entry_id in gone and not job.lost_announced:
+                job.lost_announced = True
+                if await self.broker.announce_lost(
+                    job.job_id, job.channel, job.lost_event(self.broker.consumer)
+                ):
+                    self.metrics.job_failed("lost")
 
     # -- state ---------------------------------------------------------------------------
 
@@ -673,17 +712,16 @@ async def _first_of(*waits: Awaitable[object]) -> None:
 async def forever(
     body: Callable[[], Awaitable[None]],
     what: str,
-    on_health: Callable[[bool], None],
     closing: asyncio.Event,
 ) -> None:
-    """Run ``body`` again whenever it ends or fails, backing off while Redis is away."""
+    """Run ``body`` again whenever it ends or fails, backing off while Redis is away (the
+    read loop says whether the worker is ready; cancels are polled meanwhile)."""
     failures = 0
     while not closing.is_set():
         try:
             await body()
             failures = 0
         except RedisError as exc:
-            on_health(False)
             log.warning("%s lost Redis (%s); reconnecting", what, exc)
             failures += 1
         await asyncio.sleep(reconnect_delay_s(failures))

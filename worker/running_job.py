@@ -30,6 +30,9 @@ class RunningJob:
     request: GenerationRequest
     channel: str
     enqueued_at: float  # this host's clock
+    # When the command that last gave or renewed this worker's claim on the entry went out
+    # (this host's clock): no other worker can take it before the claim idle time after.
+    claimed_at: float = 0.0
     stage: Stage = Stage.PARSED
     attempt: int = 0  # the start script's count, once it has judged the job
     started_at: float = 0.0  # when the engine was told to start it (Unix s)
@@ -40,6 +43,7 @@ class RunningJob:
     last_token_at: float | None = None
     # Set when the worker, not the engine, chose to stop the job (deadline passed).
     stop_reason: FinishReason | None = None
+    lost_announced: bool = False  # its subscribers heard that Redis lost it
 
     def _next_seq(self) -> int:
         seq = self.seq
@@ -100,6 +104,18 @@ class RunningJob:
             attempts=self.attempt,
         )
         return state, event.model_dump_json(), result.model_dump_json()
+
+    def lost_event(self, consumer: str) -> str:
+        """The error event that tells subscribers Redis lost the job while it ran here."""
+        error = ErrorInfo(
+            code="lost",
+            message=(
+                f"Redis lost job {self.job_id} while worker {consumer} ran it (a restart "
+                "without persistence, or a flush): nothing will finish it; submit it again"
+            ),
+        )
+        event = ErrorEvent(id=self.job_id, seq=self._next_seq(), attempt=self.attempt, error=error)
+        return event.model_dump_json()
 
     def fail(self, code: str, message: str, now: float) -> tuple[str, str]:
         """The error event and the failed result, as JSON."""

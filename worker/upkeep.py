@@ -33,6 +33,7 @@ class Served(Protocol):
     jobs: JobBook
     capacity: int
     closing: asyncio.Event
+    clock_offset_s: float
 
     @property
     def ready(self) -> bool: ...
@@ -43,7 +44,7 @@ class Served(Protocol):
 
     def cancel(self, job_id: str, reason: FinishReason | None = None) -> None: ...
 
-    def drop_lost(self, entry_ids: list[str]) -> None: ...
+    async def entries_lost(self, unwritten: list[tuple[str, str]]) -> None: ...
 
 
 _RUNNING = frozenset({RUNNING})
@@ -82,10 +83,12 @@ class Upkeep:
             await asyncio.sleep(TICK_S)
 
     async def _guarded(self, duty: Callable[[], Awaitable[None]]) -> None:
+        # Readiness is the read loop's and the commits' to say: a duty that works while
+        # reads fail (a heartbeat while the queue's group is gone) must not make the worker
+        # look ready, and one that fails while reads work is a warning, not an outage.
         try:
             await duty()
         except RedisError as exc:
-            self.worker.set_redis_ok(False)
             log.warning("%s failed: %s", duty.__name__, exc)
 
     def expire_overdue(self) -> None:
@@ -96,11 +99,15 @@ class Upkeep:
 
     async def renew_claims(self) -> None:
         """Keep the entries this worker runs from looking abandoned, however long they run."""
-        held = [(job.job_id, job.entry_id) for job in self.worker.jobs.jobs_in(_RENEWED)]
-        lost = await self.worker.broker.renew(held)
-        self.worker.set_redis_ok(True)
+        jobs = self.worker.jobs.jobs_in(_RENEWED)
+        sent_at = time.time()
+        lost = await self.worker.broker.renew([(job.job_id, job.entry_id) for job in jobs])
+        kept = {entry for entry, _ in lost}
+        for job in jobs:
+            if job.entry_id not in kept:
+                job.claimed_at = sent_at
         if lost:
-            self.worker.drop_lost(lost)
+            await self.worker.entries_lost(lost)
 
     async def poll_cancels(self) -> None:
         """Cancellation flags, in case the pub/sub message was missed."""
@@ -121,7 +128,9 @@ class Upkeep:
             },
             stale_after_s=worker.settings.broker.heartbeat_seconds * 6,
         )
-        worker.set_redis_ok(True)
+        # Clocks drift: the offset times jobs from their entry ids, and bounds the lease of
+        # the worker's claims in Redis time (runner.Worker._lease_until_ms).
+        worker.clock_offset_s = await worker.broker.clock_offset_s()
 
     async def trim(self) -> None:
         """Bounded memory: drop entries every group has finished, and consumers long gone."""

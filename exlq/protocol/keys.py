@@ -64,6 +64,12 @@ class QueueKeys:
         return f"{self._base}:workers"
 
     @property
+    def commits(self) -> str:
+        """Hash of each worker's last write: consumer name -> the batch's name and what it
+        reported, so that a batch sent again after a lost reply publishes nothing twice."""
+        return f"{self._base}:commits"
+
+    @property
     def cancel(self) -> str:
         """Pub/sub channel of cancellation requests (payload: a job id)."""
         return f"{self._base}:cancel"

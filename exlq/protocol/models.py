@@ -191,7 +191,7 @@ class TokenChoices(WireModel):
 
 class ErrorInfo(WireModel):
     code: str = Field(
-        description="invalid_request | engine_error | too_many_attempts | internal_error"
+        description="invalid_request | engine_error | too_many_attempts | internal_error | lost"
     )
     message: str
 

@@ -16,7 +16,7 @@ from exlq.producer import AsyncProducer
 from exlq.producer.submit_batch import EAGER_SEND
 from exlq.protocol.keys import QueueKeys
 from exlq.protocol.models import GenerationRequest, JobResult
-from exlq.worker.broker import Broker, StreamEntry
+from exlq.worker.broker import Broker, Read, StreamEntry
 from exlq.worker.engines.base import EngineOutput
 from exlq.worker.engines.echo.engine import EchoEngine
 
@@ -49,17 +49,18 @@ def _log_reads_and_parses(
     log: list[str] = []
     real_read, real_decode = Broker.read, Worker._decode
 
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+    async def read(self: Broker, count: int, block_ms: int | None) -> Read:
         blocked = block_ms is not None and not by_id
         log.append(f"blocked read of {count} sent" if blocked else "read sent")
-        entries = await real_read(self, count, block_ms)
+        done = await real_read(self, count, block_ms)
+        entries = done.entries
         if by_id:
             log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in entries)
         else:
             log.append(f"read {len(entries)}")
         if after_read is not None:
             await after_read(entries)
-        return entries
+        return done
 
     def decode(self: Worker, entry: StreamEntry) -> GenerationRequest:
         request = real_decode(self, entry)
@@ -163,7 +164,7 @@ async def test_entries_read_before_a_failed_follow_up_read_still_run(
     real_read = Broker.read
     failed: list[bool] = []
 
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+    async def read(self: Broker, count: int, block_ms: int | None) -> Read:
         if block_ms is None and not failed:
             failed.append(True)
             raise RedisConnectionError("connection reset while reading the rest of a burst")
@@ -270,10 +271,10 @@ async def test_a_full_piece_goes_to_the_engine_before_the_worker_reads_again(
     log: list[tuple[str, int]] = []
     real_read, real_start = Broker.read, Broker.start_jobs
 
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
-        entries = await real_read(self, count, block_ms)
-        log.append(("read" if block_ms is not None else "read without waiting", len(entries)))
-        return entries
+    async def read(self: Broker, count: int, block_ms: int | None) -> Read:
+        done = await real_read(self, count, block_ms)
+        log.append(("read" if block_ms is not None else "read without waiting", len(done.entries)))
+        return done
 
     async def start_jobs(self: Broker, jobs: list[tuple[str, str]]) -> Any:
         log.append(("start", len(jobs)))
@@ -334,12 +335,12 @@ async def test_a_burst_that_says_more_follows_starts_in_one_engine_step(
         await _xadd(redis_client, keys, "b-3", more=True)
         await _xadd(redis_client, keys, "b-4", more=False)
 
-    async def read(self: Broker, count: int, block_ms: int | None) -> list[StreamEntry]:
+    async def read(self: Broker, count: int, block_ms: int | None) -> Read:
         if "read b-2" in log and "rest written" not in log and not writer:
             writer.append(asyncio.create_task(write_rest()))
-        entries = await real_read(self, count, block_ms)
-        log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in entries)
-        return entries
+        done = await real_read(self, count, block_ms)
+        log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in done.entries)
+        return done
 
     def offer(self: EngineLoop, round_id: int, jobs: list[tuple[str, Any]]) -> None:
         log.extend(f"offer {job_id}" for job_id, _ in jobs)

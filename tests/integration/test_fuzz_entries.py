@@ -239,7 +239,7 @@ def materialise(tag: str, specs: list[Spec], limits: RequestLimits) -> list[Expe
 
 def _fits(payload: bytes, limits: RequestLimits) -> bool:
     try:
-        limits.check_size(payload)
+        limits.check_size(len(payload))
         limits.check(parse_request(payload))
     except InvalidRequest:
         return False
