@@ -124,7 +124,7 @@ class Broker:
         without persistence, a flush, a deleted key). Create the group again, from the
         stream's start, so that what producers add from now on is served; re-raise any
         other error."""
-        if not str(exc).startswith("NOGROUP"):
+        if "NOGROUP" not in str(exc):
             raise exc
         self.groups_recreated += 1
         log.warning(
@@ -155,19 +155,24 @@ class Broker:
         # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
         messages = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", reply or [])
         entries = [
-            StreamEntry(
-                entry_id.decode(),
-                fields.get(b"job"),
-                fields.get(b"more") == b"1",
-                len(fields.get(b"job") or b"") if b"job" in fields else -1,
-                claimed_at,
-            )
+            self._entry(entry_id, fields, claimed_at)
             for _stream, taken in messages
             for entry_id, fields in taken
         ]
         # Alone only because of its count of 1: a producer's burst says so (its ``more``
         # field), and a read that asked for one has its count.
         return Read(entries, complete=len(entries) < count)
+
+    def _entry(self, entry_id: bytes, fields: dict[bytes, bytes], claimed_at: float) -> StreamEntry:
+        """An entry the blocking read brought whole: cut to its head, as the take script
+        would, if it is over the limit, so that the whole is freed at once."""
+        payload = fields.get(b"job")
+        size = -1 if payload is None else len(payload)
+        if payload is not None and size > self.max_entry_bytes:
+            payload = payload[:ENTRY_HEAD_BYTES]
+        return StreamEntry(
+            entry_id.decode(), payload, fields.get(b"more") == b"1", size, claimed_at
+        )
 
     async def _take(
         self, how: str, count: int, cursor: str = "0-0", min_idle_ms: int = 0
@@ -354,7 +359,7 @@ def _parse_id(raw: bytes | str) -> tuple[int, int]:
 def _no_stream(exc: ResponseError) -> bool:
     """Redis's answer about a stream or consumer group it does not hold."""
     message = str(exc)
-    return message.startswith("NOGROUP") or "no such key" in message.lower()
+    return "NOGROUP" in message or "no such key" in message.lower()
 
 
 def _text(raw: bytes | str) -> str:
