@@ -15,7 +15,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from exlq.producer.errors import ExlqError, JobFailed, JobRestarted, NoWorkers, QueueFull
+from exlq.producer.errors import (
+    ExlqError,
+    JobFailed,
+    JobLost,
+    JobRestarted,
+    NoWorkers,
+    QueueFull,
+)
 from exlq.producer.quiet_wait import QuietWait
 from exlq.producer.submit_batch import SubmitBatcher
 from exlq.producer.subscriber import RECONNECTED, EventRouter
@@ -42,8 +49,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STATE_TTL_S = 24 * 3600
 # While a stream is quiet this long, look at the stored result in case the end of the job
-# was published while its events could not arrive. After a reconnect the router tells
-# every handle at once; this is the fallback for losses nobody noticed.
+# was published while its events could not arrive, and at whether Redis still holds the
+# job at all (a FLUSHALL keeps the connection, so no reconnect tells of it). After a
+# reconnect the router tells every handle at once; this is the fallback for losses nobody
+# noticed.
 RESULT_POLL_S = 30.0
 # A job that has heard nothing this long after its submit looks at the workers' heartbeats:
 # where none is live, nothing would ever run it (producer/worker_watch.py).
@@ -118,36 +127,44 @@ class JobHandle:
     def _started(self) -> bool:
         return self._last_seq >= 0 or self._attempt > 1
 
-    async def _check_served(self) -> None:
+    async def _check_served(self) -> bool:
         """The job has not started: where no live worker serves its queue, cancel it and
-        raise NoWorkers; with wait_for_worker, warn and wait on."""
+        raise NoWorkers; with wait_for_worker, warn and wait on. True where the cancel
+        found no state for the job: the stored result then tells an end from a loss."""
         watch = self._producer._workers
         try:
             if await watch.served():
-                return
+                return False
             if watch.wait_for_worker:
                 watch.warn_waiting(self.id)
-                return
+                return False
             state = await self._producer._cancel_if_queued(self.id)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # Redis is away: the handle waits it out, as its other reads do; asked again
             # at the next quiet spell.
             log.debug("job %s: the workers' heartbeats could not be read (%s)", self.id, exc)
-            return
+            return False
         if state == "queued":
             raise NoWorkers(self.id, watch.keys.queue, watch.stale_after_s)
-        # else it has started (or ended) meanwhile: its events are on their way
+        # Else it has started (or ended) meanwhile, and its events are on their way; or its
+        # state is gone (a flush or a restart also empties the heartbeats, so this is where
+        # a job that waits for a worker hears of it first).
+        return not state
 
     async def stream(self) -> AsyncIterator[Event]:
         """Yield the job's events as they arrive, ending after ``done`` or ``error``."""
-        if self.duplicate and self._last_seq < 0:
-            # The job may have ended before this handle subscribed.
-            for event in await self._recover_from_result():
-                yield self._track(event)
         try:
+            if self.duplicate and self._last_seq < 0:
+                # The job may have ended before this handle subscribed.
+                for event in await self._recover_from_result():
+                    yield self._track(event)
             while self._final is None:
                 for event in await self._next_events():
                     yield self._track(event)
+        except JobLost:
+            # Nothing will publish on the channel of a job Redis has forgotten: leave it.
+            await self._producer._release(self.id, self._events)
+            raise
         finally:
             self._wait.close()
         await self._producer._release(self.id, self._events)
@@ -155,12 +172,15 @@ class JobHandle:
     async def _next_events(self) -> list[Event]:
         first_wait = not self._started and not self._quiet_waits
         raw = await self._wait.next(WORKER_CHECK_S if first_wait else RESULT_POLL_S)
-        if raw is None:  # quiet: does no worker serve the job; did it end unheard?
+        if raw is None:  # quiet: does no worker serve the job; did it end unheard, or is it lost?
             self._quiet_waits += 1
-            if not self._started:
-                await self._check_served()
-            return [] if first_wait else await self._recover_from_result()
-        if raw == RECONNECTED:  # events may have been lost
+            state_gone = not self._started and await self._check_served()
+            if first_wait and not state_gone:
+                # The first check reads only the heartbeats, one read shared by every
+                # handle: a result read here would be one more round trip per queued job.
+                return []
+            return await self._recover_from_result()
+        if raw == RECONNECTED:  # events may have been lost, or Redis restarted empty
             return await self._recover_from_result()
         accepted = self._accept(parse_event(raw))
         if accepted is not None:
@@ -253,14 +273,26 @@ class JobHandle:
         return await self._producer.cancel(self.id)
 
     async def _stored_result(self) -> JobResult | None:
-        """The stored result, riding out Redis outages: a handle waits for its job."""
+        """The stored result; None while the job has not ended. Raises JobLost where Redis
+        holds neither the result nor the job's state: the worker writes the result and the
+        state's end in one script, and the state lives from the submit on (its TTL renewed
+        while a worker runs the job), so neither means Redis has forgotten the job and
+        nothing would end the wait."""
+        result, state_held = await self._result_and_state()
+        if result is None and not state_held:
+            raise JobLost(self.id)
+        return result
+
+    async def _result_and_state(self) -> tuple[JobResult | None, bool]:
+        """The stored result and whether the state exists, riding out Redis outages: a
+        handle waits for its job."""
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type((RedisConnectionError, RedisTimeoutError, OSError)),
             wait=REDIS_BACKOFF,
             before_sleep=_log_retry,
         ):
             with attempt:
-                return await self._producer.get_result(self.id)
+                return await self._producer._result_and_state(self.id)
         raise AssertionError("unreachable: the retry loop returns or raises")
 
     def _track(self, event: Event) -> Event:
@@ -343,6 +375,13 @@ class AsyncProducer:
         start later (a worker still loading its model, a fleet scaled to zero). A submit
         itself never reads the heartbeats.
 
+        A handle raises JobLost where Redis holds neither the job's state nor its result:
+        at once after a reconnect to a Redis that restarted without persistence; after a
+        FLUSHALL, which keeps the connection, at the next quiet poll (RESULT_POLL_S of
+        silence). The state's TTL, ``state_ttl_s``, bounds how long a job may wait
+        queued: one still queued after it is reported lost, though a worker may yet run
+        its entry. A worker renews the TTL once it runs the job.
+
         ``pack_ids=True`` sends a submit's ``input_ids`` as ``input_ids_b64``, one base64
         string instead of a JSON number per id, so neither the SDK nor the worker makes a
         Python int of each id (docs/PERFORMANCE.md, "The way back, and Redis (always on)").
@@ -418,6 +457,18 @@ class AsyncProducer:
     async def get_result(self, job_id: str) -> JobResult | None:
         raw = await self._redis.get(self.keys.result(job_id))
         return None if raw is None else JobResult.model_validate_json(raw)
+
+    async def _result_and_state(self, job_id: str) -> tuple[JobResult | None, bool]:
+        """The stored result and whether the job's state hash exists, in one round trip.
+        No MULTI: the state exists from the submit until it expires, and the result is
+        written with the state's end, so no interleaving shows a job Redis holds as one
+        with neither."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.get(self.keys.result(job_id))
+        pipe.exists(self.keys.job(job_id))
+        raw, state_count = await pipe.execute()
+        result = None if raw is None else JobResult.model_validate_json(raw)
+        return result, bool(state_count)
 
     async def status(self, job_id: str) -> JobStatus | None:
         fields = cast("dict[bytes, bytes]", await self._redis.hgetall(self.keys.job(job_id)))

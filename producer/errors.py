@@ -38,8 +38,30 @@ class JobFailed(ExlqError):
         self.error = error
 
 
+class JobLost(ExlqError):
+    """Redis holds neither the job's state nor its result, so nothing will end the wait:
+    Redis restarted without persistence or was flushed, or the state expired (a job that
+    waited queued longer than the producer's ``state_ttl_s``)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(
+            f"job {job_id} is lost: Redis no longer holds its state or its result (Redis "
+            "restarted without persistence, was flushed, or the job's state expired); "
+            "submit it again"
+        )
+        self.job_id = job_id
+
+
 class JobRestarted(ExlqError):
     """A retry produced text that differs from what stream_text() had already yielded."""
 
 
-__all__ = ["ExlqError", "InvalidRequest", "JobFailed", "JobRestarted", "NoWorkers", "QueueFull"]
+__all__ = [
+    "ExlqError",
+    "InvalidRequest",
+    "JobFailed",
+    "JobLost",
+    "JobRestarted",
+    "NoWorkers",
+    "QueueFull",
+]
