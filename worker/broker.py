@@ -138,29 +138,38 @@ class Broker:
 
     async def read(self, count: int, block_ms: int | None) -> Read:
         """Up to ``count`` new entries. When none is waiting, wait up to ``block_ms`` (None:
-        no wait) for the first, which comes alone: the rest comes through the take script,
-        which never hands over more than ENTRY_HEAD_BYTES of an entry over the size limit.
-        So a read holds at most one whole entry, however large."""
+        no wait) for the first, which comes alone, and take what landed with it: the rest
+        comes through the take script, which never hands over more than ENTRY_HEAD_BYTES
+        of an entry over the size limit. So a read holds at most one whole entry, however
+        large."""
         entries, _ = await self._take("read", count)
         if entries or block_ms is None:
             return Read(entries, complete=len(entries) < count)
         claimed_at = time.time()
+        # One round trip: Redis runs the script as soon as the blocking read returns, so
+        # what landed with the first entry (a burst written at once) comes in the same
+        # reply, as a blocking read of the whole count would have brought it.
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xreadgroup(
+            CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=1, block=block_ms
+        )
+        if count > 1:
+            args = self._take_args("read", count - 1)
+            await self._take_script(keys=[self.keys.jobs], args=args, client=pipe)
         try:
-            reply = await self.client.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=1, block=block_ms
-            )
+            first, *rest = await pipe.execute()
         except ResponseError as exc:
             await self._group_back(exc)
             return Read([], complete=True)
         # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
-        messages = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", reply or [])
+        messages = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", first or [])
         entries = [
             self._entry(entry_id, fields, claimed_at)
             for _stream, taken in messages
             for entry_id, fields in taken
         ]
-        # Alone only because of its count of 1: a producer's burst says so (its ``more``
-        # field), and a read that asked for one has its count.
+        if entries and rest:
+            entries += self._taken(rest[0], claimed_at)[0]
         return Read(entries, complete=len(entries) < count)
 
     def _entry(self, entry_id: bytes, fields: dict[bytes, bytes], claimed_at: float) -> StreamEntry:
@@ -180,15 +189,25 @@ class Broker:
         """Entries read ('read') or claimed ('claim', from ``cursor``) by the take script,
         and the cursor to go on from."""
         claimed_at = time.time()
-        args: list[str | int] = [how, CONSUMER_GROUP, self.consumer, count]
-        args += [self.max_entry_bytes, cursor, ENTRY_HEAD_BYTES, min_idle_ms]
+        args = self._take_args(how, count, cursor, min_idle_ms)
         try:
-            reply = cast("list[Any]", await self._take_script(keys=[self.keys.jobs], args=args))
+            reply = await self._take_script(keys=[self.keys.jobs], args=args)
         except ResponseError as exc:
             await self._group_back(exc)
             return [], "0-0"
-        next_cursor = _text(reply[0])
-        rows = reply[1:]
+        return self._taken(reply, claimed_at)
+
+    def _take_args(
+        self, how: str, count: int, cursor: str = "0-0", min_idle_ms: int = 0
+    ) -> list[str | int]:
+        """The take script's ARGV (broker_scripts.TAKE_LUA)."""
+        limits: list[str | int] = [self.max_entry_bytes, cursor, ENTRY_HEAD_BYTES, min_idle_ms]
+        return [how, CONSUMER_GROUP, self.consumer, count, *limits]
+
+    def _taken(self, reply: Any, claimed_at: float) -> tuple[list[StreamEntry], str]:
+        """The take script's reply as entries, and its cursor."""
+        rows = cast("list[Any]", reply)
+        next_cursor, rows = _text(rows[0]), rows[1:]
         entries = [
             StreamEntry(_text(entry_id), payload, more == b"1", int(size), claimed_at)
             for entry_id, payload, more, size in zip(
