@@ -33,7 +33,7 @@ for _, f in ipairs(batch.finals) do
   local job = f.k and KEYS[f.k + 1]
   local other = f.guard and redis.call('HGET', job, 'entry')
   if owner == nil or owner[2] ~= ARGV[2] then
-    table.insert(lost, f.entry)
+    if not f.noack then table.insert(lost, f.entry) end
   else
     if other and other ~= f.entry then
       -- A rejected entry naming another entry's job: leave that job's result and events be.
@@ -49,7 +49,7 @@ for _, f in ipairs(batch.finals) do
       redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(f.dead))
     end
     if f.event then redis.call('PUBLISH', f.channel, f.event) end
-    redis.call('XACK', KEYS[1], ARGV[1], f.entry)
+    if not f.noack then redis.call('XACK', KEYS[1], ARGV[1], f.entry) end
   end
 end
 return lost
@@ -139,6 +139,10 @@ class Final:
     # Write the result and event only if the job's hash names this entry or no entry: a
     # malformed entry must not overwrite another entry's job of the same id.
     guard: bool = False
+    # False for all but the last of several finals of one entry (a rejected entry that
+    # names two ids answers both): the entry is acked once, and only while it is still
+    # owned, so the others go before the one that acks it.
+    ack: bool = True
 
 
 @dataclass
@@ -179,6 +183,7 @@ class Batch:
                 ("event", f.event_json),
                 ("dead", _flat(f.dead)),
                 ("guard", f.guard or None),
+                ("noack", None if f.ack else True),
             ):
                 if value is not None:
                     final[name] = value
