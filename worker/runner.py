@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -15,7 +15,6 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from exlq.protocol.backoff import REDIS_BACKOFF, reconnect_delay_s
 from exlq.protocol.batch_script import PIECE_JOBS
 from exlq.protocol.eager_task import started_task
-from exlq.protocol.keys import check_name
 from exlq.protocol.models import (
     ErrorEvent,
     ErrorInfo,
@@ -29,6 +28,7 @@ from exlq.worker import tracing
 from exlq.worker.broker import Batch, Broker, Final, StartDecision, StreamEntry
 from exlq.worker.engine_loop import EngineRunner, StepReport
 from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
+from exlq.worker.entry_ids import answerable_ids, refuse_two_ids
 from exlq.worker.gc_pauses import collections_deferred
 from exlq.worker.job_state import (
     CANCELLED,
@@ -344,6 +344,7 @@ class Worker:
         self.limits.check_size(entry.payload)
         request = parse_request(entry.payload)
         self.limits.check(request)
+        refuse_two_ids(entry.payload)
         return request
 
     def _start(
@@ -414,16 +415,14 @@ class Worker:
         self.metrics.job_failed("internal_error")
 
     def _reject(self, batch: Batch, entry: StreamEntry, message: str) -> None:
-        """An entry that can never run: error event and failed result where it has a usable
-        id, a dead-letter entry always, then the ack."""
+        """An entry that can never run: an error event and a failed result for each usable
+        id it names at its top level (read without a parse: it may be what no parse reads),
+        one dead-letter entry, one ack."""
         log.warning("rejecting entry %s: %s", entry.entry_id, message)
-        job_id = _job_id_of(entry.payload)
         error = ErrorInfo(code="invalid_request", message=message)
-        final = Final(
-            entry.entry_id, dead=self._dead_fields(entry.entry_id, entry.payload, error, attempts=1)
-        )
-        if job_id is not None:
-            final = Final(
+        dead = self._dead_fields(entry.entry_id, entry.payload, error, attempts=1)
+        answers = [
+            Final(
                 entry.entry_id,
                 job_id=job_id,
                 state="failed",
@@ -432,10 +431,17 @@ class Worker:
                 ).model_dump_json(),
                 channel=self.broker.keys.events(job_id),
                 event_json=ErrorEvent(id=job_id, seq=0, attempt=1, error=error).model_dump_json(),
-                dead=final.dead,
                 guard=True,
+                ack=False,
             )
-        batch.finish(final)
+            for job_id in answerable_ids(entry.payload)
+        ]
+        # The entry's one dead letter and ack ride on its last final, written after the
+        # others: the commit script writes a final only while the entry is still owned.
+        last = answers.pop() if answers else Final(entry.entry_id)
+        for answer in answers:
+            batch.finish(answer)
+        batch.finish(dataclasses.replace(last, dead=dead, ack=True))
         self.metrics.job_failed("invalid_request")
 
     def _dead_fields(
@@ -650,15 +656,6 @@ class Worker:
     def _publish_ready(self) -> None:
         self.metrics.set_redis_connected(self._redis_ok)
         self.metrics.set_ready(self.ready)
-
-
-def _job_id_of(payload: bytes | None) -> str | None:
-    """The id of a malformed entry, if it names a usable one, so its subscriber hears why."""
-    try:
-        candidate = json.loads(payload or b"").get("id")
-        return check_name("job id", candidate) if isinstance(candidate, str) else None
-    except (ValueError, AttributeError, RecursionError):
-        return None
 
 
 async def _first_of(*waits: Awaitable[object]) -> None:
