@@ -366,7 +366,10 @@ class Worker:
         if decision.verdict == "error":
             self._unstartable(batch, job, decision.detail)
             return FAILED
-        if decision.verdict in ("ended", "duplicate") or piece.held_elsewhere(job):
+        if decision.verdict == "ended":
+            self._ended_already(batch, job, decision.detail)
+            return FAILED
+        if decision.verdict == "duplicate" or piece.held_elsewhere(job):
             self._skip(batch, job, decision)
             return SKIPPED
         if job.attempt > 1:
@@ -387,14 +390,33 @@ class Worker:
         return RUNNING
 
     def _skip(self, batch: Batch, job: RunningJob, decision: StartDecision) -> None:
-        """An entry whose job ended, or runs under another entry: acked, nothing written."""
+        """An entry whose job runs under another entry (a producer's retried XADD, say):
+        acked, nothing written; that entry's events answer the job's subscribers."""
         detail = (
-            f"{decision.verdict} {decision.detail}"
-            if decision.verdict in ("ended", "duplicate")
+            f"entry {decision.detail} runs it"
+            if decision.verdict == "duplicate"
             else "its job runs here under another entry"
         )
         log.info("skipping entry %s of job %s: %s", job.entry_id, job.job_id, detail)
         batch.finish(Final(job.entry_id))
+
+    def _ended_already(self, batch: Batch, job: RunningJob, state: str) -> None:
+        """An entry naming a job that has ended: an id runs once (the SDK's submit of an
+        existing id hands back that job), so it does not run again. Whoever sent it hears
+        why on the job's channel, and a dead-letter entry keeps it; the job's result and
+        state stay as they are."""
+        message = (
+            f"job {job.job_id} ended already ({state}); an id runs once: "
+            "submit the job under a new id to run it again"
+        )
+        log.warning("entry %s not run: %s", job.entry_id, message)
+        error = ErrorInfo(code="duplicate_id", message=message)
+        event = ErrorEvent(id=job.job_id, seq=0, attempt=1, error=error)
+        dead = self._dead_fields(job.entry_id, job.request.model_dump_json().encode(), error, 0)
+        batch.finish(
+            Final(job.entry_id, channel=job.channel, event_json=event.model_dump_json(), dead=dead)
+        )
+        self.metrics.job_failed("duplicate_id")
 
     def _unstartable(self, batch: Batch, job: RunningJob, redis_error: str) -> None:
         """The start script failed on this job's state key (say it holds another type): an

@@ -191,7 +191,9 @@ class TokenChoices(WireModel):
 
 class ErrorInfo(WireModel):
     code: str = Field(
-        description="invalid_request | engine_error | too_many_attempts | internal_error"
+        description=(
+            "invalid_request | engine_error | too_many_attempts | internal_error | duplicate_id"
+        )
     )
     message: str
 

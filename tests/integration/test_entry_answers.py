@@ -1,6 +1,6 @@
 """Every entry whose id can be read gets an answer on that id's channel: one no parser
-reads (too deep, not UTF-8), one that names two ids (both hear); and the worker goes on
-serving."""
+reads (too deep, not UTF-8), one that names two ids (both hear), one whose id has ended
+(it is not run again, and hears why); and the worker goes on serving."""
 
 from __future__ import annotations
 
@@ -128,6 +128,75 @@ async def test_a_rejected_entry_leaves_a_job_another_entry_runs_alone(
     assert result.state == "done" and result.text.split()[:2] == ["slow", "words"]
     stored = json.loads(await redis_client.get(keys.result("busy")))
     assert stored["state"] == "done"
+
+
+@pytest.mark.parametrize(
+    ("first", "ended_as"),
+    [
+        (b'{"id":"again","prompt":"fixed","max_new_tokens":2}', "done"),
+        (b'{"id":"again","prompt":"fixed","max_new_tokens":0}', "failed"),  # rejected
+    ],
+    ids=["after-done", "after-rejected"],
+)
+async def test_an_entry_whose_id_has_ended_is_not_run_and_hears_why(
+    redis_url: str,
+    queue_name: str,
+    start_worker: Any,
+    redis_client: aioredis.Redis,
+    first: bytes,
+    ended_as: str,
+) -> None:
+    running = await start_worker()
+    keys = QueueKeys(queue_name)
+    [first_end] = (await _answers(redis_client, keys, first, ["again"]))["again"][-1:]
+    assert first_end.type == ("done" if ended_as == "done" else "error")
+    result_before = await redis_client.get(keys.result("again"))
+    job_before = await redis_client.hgetall(keys.job("again"))
+    dead_before = await redis_client.xlen(keys.dead)
+
+    corrected = b'{"id":"again","prompt":"fixed","max_new_tokens":3}'
+    [event] = (await _answers(redis_client, keys, corrected, ["again"]))["again"]
+    assert isinstance(event, ErrorEvent) and event.error.code == "duplicate_id"
+    assert f"ended already ({ended_as})" in event.error.message
+    assert "submit the job under a new id" in event.error.message
+    *_, dead = await _dead_letters(redis_client, keys, dead_before + 1)
+    assert dead[b"error"] == b"duplicate_id"
+    assert json.loads(dead[b"job"])["max_new_tokens"] == 3
+    assert await redis_client.get(keys.result("again")) == result_before  # untouched
+    assert await redis_client.hgetall(keys.job("again")) == job_before
+    assert _failed_count(running, queue_name, "duplicate_id") == 1
+    await _still_serves(redis_url, queue_name)
+
+
+async def test_an_entry_whose_id_runs_elsewhere_is_skipped_in_silence(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
+) -> None:
+    """A producer's retried XADD while its job runs: the job's own events answer."""
+    await start_worker(echo_tokens_per_second=20.0)
+    keys = QueueKeys(queue_name)
+    request = b'{"id":"retried","prompt":"one two","max_new_tokens":6}'
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe(keys.events("retried"))
+    await pubsub.get_message(timeout=1)
+    try:
+        await redis_client.xadd(keys.jobs, {"job": request})
+        async with asyncio.timeout(10):
+            while await redis_client.hget(keys.job("retried"), "state") != b"running":
+                await asyncio.sleep(0.02)
+        await redis_client.xadd(keys.jobs, {"job": request})
+        events: list[Event] = []
+        async with asyncio.timeout(10):
+            while not events or events[-1].type not in ("done", "error"):
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+                if message:
+                    events.append(parse_event(message["data"]))
+        await asyncio.sleep(0.3)  # an extra event would come right behind
+        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is None
+    finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+    assert events[-1].type == "done"
+    assert await redis_client.xlen(keys.dead) == 0
+    assert (await redis_client.xpending(keys.jobs, CONSUMER_GROUP))["pending"] == 0
 
 
 async def test_an_entry_with_several_finals_is_acked_once_by_its_last(
