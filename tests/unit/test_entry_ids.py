@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exlq.protocol.models import InvalidRequest
@@ -77,6 +77,7 @@ _VALUES = st.recursive(
 )
 
 
+@settings(deadline=None, database=None)  # leave no .hypothesis/ folder in the checkout
 @given(
     pairs=st.lists(st.tuples(st.sampled_from(["id", "prompt", "metadata"]), _VALUES), max_size=6),
     ascii_only=st.booleans(),
