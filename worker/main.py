@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import NoPermissionError, RedisError
@@ -23,6 +23,7 @@ from exlq.worker.http_server import HealthServer
 from exlq.worker.metrics import Metrics
 from exlq.worker.redis_refusals import (
     CREDENTIALS_REFUSED,
+    OnceARefusal,
     credentials_refused,
     permission_refused,
     redis_user,
@@ -55,10 +56,27 @@ def run_worker(settings: WorkerSettings) -> int:
     )
     tracing.trace_to_file(settings.serving.trace_file)  # the engine process starts its own
     try:
-        return asyncio.run(serve(settings))
+        with _refusals_logged_once(settings):
+            return asyncio.run(serve(settings))
     except StartupError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
+
+
+@contextlib.contextmanager
+def _refusals_logged_once(settings: WorkerSettings) -> Iterator[None]:
+    """While serving, an ACL refusal is one error line that says what to grant, not a
+    warning per retry (redis_refusals.OnceARefusal, on the log's handlers)."""
+    keys = QueueKeys(queue=settings.queue_name, prefix=settings.broker.prefix)
+    refusals = OnceARefusal(redis_user(settings.broker.redis_url), keys)
+    handlers = logging.getLogger().handlers
+    for handler in handlers:
+        handler.addFilter(refusals)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(refusals)
 
 
 async def serve(settings: WorkerSettings) -> int:

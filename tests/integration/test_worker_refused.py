@@ -1,9 +1,12 @@
 """`exlq worker` refused by Redis: a bad password, or an ACL user without the queue, stops it
-at start-up with one line that says what to fix (exit 2, before the engine loads)."""
+at start-up with one line that says what to fix (exit 2, before the engine loads); a
+command refused while serving is one error line, however often the worker retries."""
 
 from __future__ import annotations
 
 import secrets
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -85,3 +88,23 @@ def test_refused_credentials_are_named_as_such(
     assert "check the user name and password in --redis-url / EXLQ_REDIS_URL" in output
     assert "start Redis" not in output
     assert "not-the-password" not in output  # the URL is shown redacted
+
+
+def test_a_command_refused_while_serving_is_one_error_line(
+    acl_user: UserFactory, queue_name: str
+) -> None:
+    url = acl_user([*_every_command_on(queue_name), "-xreadgroup"])
+    process = worker_process(url, queue_name, "--engine", "echo")
+    try:
+        time.sleep(4)  # the read loop retries many times meanwhile (backoff from 0.1 s)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, output
+    assert "Traceback" not in output
+    [line] = [line for line in output.splitlines() if "xreadgroup" in line]
+    assert " ERROR " in line
+    assert "may not send XREADGROUP for queue" in line and "docs/SECURITY.md" in line
