@@ -30,6 +30,10 @@ class Final:
     # Write the result and event only if the job's hash names this entry or no entry: a
     # malformed entry must not overwrite another entry's job of the same id.
     guard: bool = False
+    # False for all but the last of several finals of one entry (a rejected entry that
+    # names two ids answers both): the entry is acked once, and only while it is still
+    # owned, so the others go before the one that acks it.
+    ack: bool = True
 
 
 @dataclass
@@ -90,6 +94,7 @@ class Batch:
                 ("event", f.event_json),
                 ("dead", _flat(f.dead)),
                 ("guard", f.guard or None),
+                ("noack", None if f.ack else True),
             ):
                 if value is not None:
                     final[name] = value

@@ -13,9 +13,9 @@ settles it. A running job holds a slot until its end, from the engine, is commit
                                        +-> LOST (entry taken over) -----^
                                            (nothing written for it)
 
-and the verdict may instead settle a job that never ran, out of the book: SKIPPED (it
-ended already, or another entry runs it), FAILED (its state key is unusable, or it ran out
-of attempts), CANCELLED (cancelled, or past its deadline), or WITHDRAWN (the script
+and the verdict may instead settle a job that never ran, out of the book: SKIPPED (another
+entry runs it), FAILED (its id ended already, its state key is unusable, or it ran out of
+attempts), CANCELLED (cancelled, or past its deadline), or WITHDRAWN (the script
 failed: the entry stays pending, for a reclaim). A job started early and then settled is
 stopped in the engine, and what the engine made of it is dropped up to its end.
 
@@ -55,8 +55,8 @@ class Stage(IntEnum):
     STOPPING = 4  # the worker asked the engine to stop it (cancel, deadline); its end comes
     LOST = 5  # another worker took its entry over: stopping, and nothing is written for it
     ENDED = 6  # the engine ended it; its final is in the batch being committed
-    SKIPPED = 7  # the script: it ended already, or another entry runs it; acked only
-    FAILED = 8  # the script failed on its state key, or it ran out of attempts; dead-lettered
+    SKIPPED = 7  # the script: another entry runs it; acked only
+    FAILED = 8  # its id ended, its state key is unusable, or attempts ran out; dead-lettered
     CANCELLED = 9  # cancelled, or past its deadline, before it ran; ended as such
     WITHDRAWN = 10  # no verdict (the script failed, the worker stops): the entry stays pending
     COMMITTED = 11  # its final is written (a lost job's is another worker's): its slot is free

@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from exlq._version import __version__
 from exlq.protocol.keys import QueueKeys
@@ -21,6 +21,13 @@ from exlq.worker.engines import EngineUnavailable, build_engine
 from exlq.worker.gc_pauses import freeze_startup_heap
 from exlq.worker.http_server import HealthServer
 from exlq.worker.metrics import Metrics
+from exlq.worker.redis_refusals import (
+    CREDENTIALS_REFUSED,
+    OnceARefusal,
+    credentials_refused,
+    permission_refused,
+    redis_user,
+)
 from exlq.worker.runner import Worker
 from exlq.worker.settings import WorkerSettings
 
@@ -49,10 +56,27 @@ def run_worker(settings: WorkerSettings) -> int:
     )
     tracing.trace_to_file(settings.serving.trace_file)  # the engine process starts its own
     try:
-        return asyncio.run(serve(settings))
+        with _refusals_logged_once(settings):
+            return asyncio.run(serve(settings))
     except StartupError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
+
+
+@contextlib.contextmanager
+def _refusals_logged_once(settings: WorkerSettings) -> Iterator[None]:
+    """While serving, an ACL refusal is one error line that says what to grant, not a
+    warning per retry (redis_refusals.OnceARefusal, on the log's handlers)."""
+    keys = QueueKeys(queue=settings.queue_name, prefix=settings.broker.prefix)
+    refusals = OnceARefusal(redis_user(settings.broker.redis_url), keys)
+    handlers = logging.getLogger().handlers
+    for handler in handlers:
+        handler.addFilter(refusals)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(refusals)
 
 
 async def serve(settings: WorkerSettings) -> int:
@@ -68,6 +92,7 @@ async def serve(settings: WorkerSettings) -> int:
     )
     try:
         await _check_redis(broker, redis.redis_url)
+        await _check_access(broker, redis.redis_url)
         try:
             async with _heartbeats_while_loading(settings, broker):
                 engine = await asyncio.to_thread(load_engine, settings)
@@ -129,11 +154,39 @@ def load_engine(settings: WorkerSettings) -> EngineRunner:
 async def _check_redis(broker: Broker, url: str) -> None:
     try:
         await asyncio.wait_for(broker.ping(), 5.0)
+    except CREDENTIALS_REFUSED as exc:  # first: to redis-py they are connection errors
+        raise StartupError(credentials_refused(redacted(url), exc)) from None
+    except NoPermissionError as exc:
+        raise StartupError(
+            permission_refused(redis_user(url), broker.keys, str(exc), "PING")
+        ) from None
     except (RedisError, OSError, TimeoutError) as exc:
         raise StartupError(
             f"cannot reach Redis at {redacted(url)} ({exc or type(exc).__name__}); start Redis "
             "or point --redis-url / EXLQ_REDIS_URL at it"
         ) from None
+
+
+async def _check_access(broker: Broker, url: str) -> None:
+    """What serving starts with, sent before the engine loads (a model takes minutes to
+    load): a user whose ACL refuses the queue stops the worker now, in one line. The
+    consumer group is made here; the worker's own call at the start of serving finds it."""
+    sends: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+        ("TIME", broker.clock_offset_s),
+        ("XGROUP CREATE", broker.ensure_group),
+    ]
+    for command, send in sends:
+        try:
+            await send()
+        except NoPermissionError as exc:
+            raise StartupError(
+                permission_refused(redis_user(url), broker.keys, str(exc), command)
+            ) from None
+        except (RedisError, OSError) as exc:
+            raise StartupError(
+                f"Redis at {redacted(url)} failed {command} for queue {broker.keys.queue!r} "
+                f"({exc or type(exc).__name__})"
+            ) from None
 
 
 async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Broker) -> int:
@@ -157,6 +210,9 @@ async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Br
         loop.add_signal_handler(signum, _on_signal, stop, signum)
     try:
         return await worker.run(stop)
+    except NoPermissionError as exc:  # the ACL changed since the start-up checks
+        user = redis_user(settings.broker.redis_url)
+        raise StartupError(permission_refused(user, broker.keys, str(exc))) from None
     finally:
         http.stop()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -15,7 +15,6 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from exlq.protocol.backoff import REDIS_BACKOFF, reconnect_delay_s
 from exlq.protocol.batch_script import PIECE_JOBS
 from exlq.protocol.eager_task import started_task
-from exlq.protocol.keys import check_name
 from exlq.protocol.models import (
     ErrorEvent,
     ErrorInfo,
@@ -26,10 +25,11 @@ from exlq.protocol.models import (
     parse_request,
 )
 from exlq.worker import tracing
-from exlq.worker.broker import Broker, Read, StartDecision, StreamEntry
+from exlq.worker.broker import ENTRY_HEAD_BYTES, Broker, Read, StartDecision, StreamEntry
 from exlq.worker.commit_batch import Batch, Final
 from exlq.worker.engine_loop import EngineRunner, StepReport
 from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
+from exlq.worker.entry_ids import answerable_ids, refuse_two_ids
 from exlq.worker.gc_pauses import collections_deferred
 from exlq.worker.job_state import (
     CANCELLED,
@@ -349,6 +349,7 @@ class Worker:
         self.limits.check_size(entry.size)
         request = parse_request(entry.payload)
         self.limits.check(request)
+        refuse_two_ids(entry.payload)
         return request
 
     def _start(
@@ -370,7 +371,10 @@ class Worker:
         if decision.verdict == "error":
             self._unstartable(batch, job, decision.detail)
             return FAILED
-        if decision.verdict in ("ended", "duplicate") or piece.held_elsewhere(job):
+        if decision.verdict == "ended":
+            self._ended_already(batch, job, decision.detail)
+            return FAILED
+        if decision.verdict == "duplicate" or piece.held_elsewhere(job):
             self._skip(batch, job, decision)
             return SKIPPED
         if job.attempt > 1:
@@ -393,14 +397,33 @@ class Worker:
         return RUNNING
 
     def _skip(self, batch: Batch, job: RunningJob, decision: StartDecision) -> None:
-        """An entry whose job ended, or runs under another entry: acked, nothing written."""
+        """An entry whose job runs under another entry (a producer's retried XADD, say):
+        acked, nothing written; that entry's events answer the job's subscribers."""
         detail = (
-            f"{decision.verdict} {decision.detail}"
-            if decision.verdict in ("ended", "duplicate")
+            f"entry {decision.detail} runs it"
+            if decision.verdict == "duplicate"
             else "its job runs here under another entry"
         )
         log.info("skipping entry %s of job %s: %s", job.entry_id, job.job_id, detail)
         batch.finish(Final(job.entry_id))
+
+    def _ended_already(self, batch: Batch, job: RunningJob, state: str) -> None:
+        """An entry naming a job that has ended: an id runs once (the SDK's submit of an
+        existing id hands back that job), so it does not run again. Whoever sent it hears
+        why on the job's channel, and a dead-letter entry keeps it; the job's result and
+        state stay as they are."""
+        message = (
+            f"job {job.job_id} ended already ({state}); an id runs once: "
+            "submit the job under a new id to run it again"
+        )
+        log.warning("entry %s not run: %s", job.entry_id, message)
+        error = ErrorInfo(code="duplicate_id", message=message)
+        event = ErrorEvent(id=job.job_id, seq=0, attempt=1, error=error)
+        dead = self._dead_fields(job.entry_id, job.request.model_dump_json().encode(), error, 0)
+        batch.finish(
+            Final(job.entry_id, channel=job.channel, event_json=event.model_dump_json(), dead=dead)
+        )
+        self.metrics.job_failed("duplicate_id")
 
     def _unstartable(self, batch: Batch, job: RunningJob, redis_error: str) -> None:
         """The start script failed on this job's state key (say it holds another type): an
@@ -421,16 +444,18 @@ class Worker:
         self.metrics.job_failed("internal_error")
 
     def _reject(self, batch: Batch, entry: StreamEntry, message: str) -> None:
-        """An entry that can never run: error event and failed result where it has a usable
-        id, a dead-letter entry always, then the ack."""
+        """An entry that can never run: an error event and a failed result for each usable
+        id it names at its top level (read without a parse: it may be what no parse reads),
+        one dead-letter entry, one ack."""
         log.warning("rejecting entry %s: %s", entry.entry_id, message)
-        job_id = _job_id_of(entry.payload)
         error = ErrorInfo(code="invalid_request", message=message)
-        final = Final(
-            entry.entry_id, dead=self._dead_fields(entry.entry_id, entry.payload, error, attempts=1)
-        )
-        if job_id is not None:
-            final = Final(
+        # A refused entry cannot run again as it is: its dead letter keeps a head of it,
+        # enough to see what was sent, and its size (docs/SECURITY.md).
+        head = (entry.payload or b"")[:ENTRY_HEAD_BYTES]
+        dead = self._dead_fields(entry.entry_id, head, error, attempts=1)
+        dead["job_bytes"] = str(entry.size)
+        answers = [
+            Final(
                 entry.entry_id,
                 job_id=job_id,
                 state="failed",
@@ -439,10 +464,17 @@ class Worker:
                 ).model_dump_json(),
                 channel=self.broker.keys.events(job_id),
                 event_json=ErrorEvent(id=job_id, seq=0, attempt=1, error=error).model_dump_json(),
-                dead=final.dead,
                 guard=True,
+                ack=False,
             )
-        batch.finish(final)
+            for job_id in answerable_ids(entry.payload)
+        ]
+        # The entry's one dead letter and ack ride on its last final, written after the
+        # others: the commit script writes a final only while the entry is still owned.
+        last = answers.pop() if answers else Final(entry.entry_id)
+        for answer in answers:
+            batch.finish(answer)
+        batch.finish(dataclasses.replace(last, dead=dead, ack=True))
         self.metrics.job_failed("invalid_request")
 
     def _dead_fields(
@@ -689,15 +721,6 @@ class Worker:
     def _publish_ready(self) -> None:
         self.metrics.set_redis_connected(self._redis_ok)
         self.metrics.set_ready(self.ready)
-
-
-def _job_id_of(payload: bytes | None) -> str | None:
-    """The id of a malformed entry, if it names a usable one, so its subscriber hears why."""
-    try:
-        candidate = json.loads(payload or b"").get("id")
-        return check_name("job id", candidate) if isinstance(candidate, str) else None
-    except (ValueError, AttributeError, RecursionError):
-        return None
 
 
 async def _first_of(*waits: Awaitable[object]) -> None:

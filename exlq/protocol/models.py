@@ -191,7 +191,10 @@ class TokenChoices(WireModel):
 
 class ErrorInfo(WireModel):
     code: str = Field(
-        description="invalid_request | engine_error | too_many_attempts | internal_error | lost"
+        description=(
+            "invalid_request | engine_error | too_many_attempts | internal_error | "
+            "duplicate_id | lost"
+        )
     )
     message: str
 

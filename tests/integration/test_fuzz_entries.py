@@ -1,6 +1,7 @@
 """Property-based tests of the worker against raw stream entries: whatever is XADDed, every
 entry ends acknowledged with either a stored result (valid id) or a dead-letter entry that
-names it, no job runs twice, and the worker goes on serving."""
+names it, no job runs twice (a second entry of an id that has ended hears duplicate_id),
+and the worker goes on serving."""
 
 from __future__ import annotations
 
@@ -186,6 +187,9 @@ class Expect:
     fields: dict[bytes, bytes]
     job_id: str | None = None  # an id whose result must be stored
     runs: bool = False  # a valid entry: it runs (or is skipped as a duplicate), never dies
+    # A second entry of a valid entry's id: skipped in silence while that job runs, or, read
+    # after it ended, dead-lettered as duplicate_id with an error event on its channel.
+    duplicate: bool = False
     usable_bad_id: str | None = None  # an invalid entry whose id gets the failed result
     entry_id: str = ""
 
@@ -217,7 +221,9 @@ def materialise(tag: str, specs: list[Spec], limits: RequestLimits) -> list[Expe
                 # An over-limit duplicate would be rejected onto the running job's id: that is
                 # test_invalid_entry_does_not_overwrite_an_ended_job, not this property.
                 payload = other if _fits(other, limits) else payload
-            expects.append(Expect({**fields, b"job": payload}, job_id=job_id, runs=True))
+            expects.append(
+                Expect({**fields, b"job": payload}, job_id=job_id, runs=True, duplicate=True)
+            )
         elif isinstance(what, Invalid):
             request = dict(what.request)
             key, value = what.breakage
@@ -338,9 +344,13 @@ async def check_outcomes(
     first = min((e.entry_id for e in expects), key=_entry_key)
     for fields in await dead_letters(client, keys.dead, first):
         dead[fields[b"entry"].decode()].append(fields)
+    ended_twice: dict[str, int] = defaultdict(int)
     for expect in expects:
         letters = dead.get(expect.entry_id, [])
-        if expect.runs:
+        if expect.duplicate and letters:
+            assert [letter[b"error"] for letter in letters] == [b"duplicate_id"], letters
+            ended_twice[cast("str", expect.job_id)] += 1
+        elif expect.runs:
             assert not letters, f"valid entry {expect.entry_id} was dead-lettered: {letters}"
         else:
             assert len(letters) == 1, f"entry {expect.entry_id} has {len(letters)} dead letters"
@@ -349,7 +359,13 @@ async def check_outcomes(
             kept = expect.fields.get(b"job", b"")[: limits.max_request_bytes]
             assert letter[b"job"] == kept.decode(errors="replace").encode()
     for job_id in {e.job_id for e in expects if e.job_id is not None}:
-        await check_valid_job(client, keys, job_id, events.get(keys.events(job_id), []))
+        own: list[Any] = []
+        late: list[Any] = []  # the answers to its later entries
+        for e in events.get(keys.events(job_id), []):
+            is_late = e.type == "error" and e.error.code == "duplicate_id"
+            (late if is_late else own).append(e)
+        assert len(late) == ended_twice[job_id], f"job {job_id}: {late}"
+        await check_valid_job(client, keys, job_id, own)
     for job_id in {e.usable_bad_id for e in expects if e.usable_bad_id is not None}:
         stored = await stored_result(client, keys.result(job_id))
         assert stored is not None, f"no failed result stored for {job_id!r}"
