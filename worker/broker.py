@@ -149,18 +149,22 @@ class Broker:
         # One round trip: Redis runs the script as soon as the blocking read returns, so
         # what landed with the first entry (a burst written at once) comes in the same
         # reply, as a blocking read of the whole count would have brought it.
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xreadgroup(
-            CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=1, block=block_ms
-        )
-        if count > 1:
-            args = self._take_args("read", count - 1)
-            await self._take_script(keys=[self.keys.jobs], args=args, client=pipe)
-        try:
-            first, *rest = await pipe.execute()
-        except ResponseError as exc:
-            await self._group_back(exc)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.xreadgroup(
+                CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=1, block=block_ms
+            )
+            if count > 1:
+                args = self._take_args("read", count - 1)
+                await self._take_script(keys=[self.keys.jobs], args=args, client=pipe)
+            # Each reply on its own: an entry the blocking read brought is this worker's
+            # now, whatever became of the script behind it (Redis may have lost its scripts
+            # while the read waited), and must not be dropped with the script's error.
+            first, *rest = await pipe.execute(raise_on_error=False)
+        if isinstance(first, ResponseError):
+            await self._group_back(first)
             return Read([], complete=True)
+        if isinstance(first, Exception):
+            raise first
         # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
         messages = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", first or [])
         entries = [
@@ -168,7 +172,7 @@ class Broker:
             for _stream, taken in messages
             for entry_id, fields in taken
         ]
-        if entries and rest:
+        if entries and rest and not isinstance(rest[0], Exception):
             entries += self._taken(rest[0], claimed_at)[0]
         return Read(entries, complete=len(entries) < count)
 

@@ -212,8 +212,8 @@ async def test_an_entry_with_several_finals_is_acked_once_by_its_last(
         await broker.ensure_group()
         await redis_client.xadd(keys.jobs, {"job": "{}"})
         await redis_client.xadd(keys.jobs, {"job": "{}"})
-        [mine] = await broker.read(1, None)
-        [theirs] = await other.read(1, None)
+        [mine] = (await broker.read(1, None)).entries
+        [theirs] = (await other.read(1, None)).entries
         batch = Batch()
         for entry in (mine, theirs):
             for job_id, ack in ((f"{entry.entry_id}-a", False), (f"{entry.entry_id}-b", True)):
@@ -224,7 +224,7 @@ async def test_an_entry_with_several_finals_is_acked_once_by_its_last(
     finally:
         await broker.close()
         await other.close()
-    assert lost == [theirs.entry_id]
+    assert lost == [(theirs.entry_id, "taken")]
     for suffix in ("a", "b"):
         assert await redis_client.get(keys.result(f"{mine.entry_id}-{suffix}")) == b"{}"
         assert await redis_client.get(keys.result(f"{theirs.entry_id}-{suffix}")) is None

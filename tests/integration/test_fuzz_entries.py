@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys, check_name
 from exlq.protocol.models import GenerationRequest, InvalidRequest, parse_event, parse_request
+from exlq.worker.broker import ENTRY_HEAD_BYTES
 from exlq.worker.limits import RequestLimits
 from tests.conftest import RunningWorker
 
@@ -356,8 +357,11 @@ async def check_outcomes(
             assert len(letters) == 1, f"entry {expect.entry_id} has {len(letters)} dead letters"
             [letter] = letters
             assert letter[b"error"] == b"invalid_request" and letter[b"message"]
-            kept = expect.fields.get(b"job", b"")[: limits.max_request_bytes]
+            # A refused entry's dead letter keeps its head and its size (docs/SECURITY.md).
+            sent = expect.fields.get(b"job")
+            kept = (sent or b"")[:ENTRY_HEAD_BYTES]
             assert letter[b"job"] == kept.decode(errors="replace").encode()
+            assert letter[b"job_bytes"] == str(-1 if sent is None else len(sent)).encode()
     for job_id in {e.job_id for e in expects if e.job_id is not None}:
         own: list[Any] = []
         late: list[Any] = []  # the answers to its later entries

@@ -105,6 +105,7 @@ def test_a_command_refused_while_serving_is_one_error_line(
             process.communicate()
     assert process.returncode == 0, output
     assert "Traceback" not in output
-    [line] = [line for line in output.splitlines() if "xreadgroup" in line]
+    # The worker reads through a script, whose refused call Redis 7.0 does not name.
+    [line] = [line for line in output.splitlines() if "may not send" in line]
     assert " ERROR " in line
-    assert "may not send XREADGROUP for queue" in line and "docs/SECURITY.md" in line
+    assert f"for queue '{queue_name}'" in line and "docs/SECURITY.md" in line
