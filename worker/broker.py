@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from exlq.protocol.batch_script import reply_pairs
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
 from exlq.worker.broker_scripts import COMMIT_LUA, LOST_LUA, RENEW_LUA, START_MANY_LUA, TAKE_LUA
 from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
+from exlq.worker.redis_refusals import refusal_of
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,13 @@ class Broker:
         args: list[str | int] = [self.consumer, self.result_ttl_s]
         args += [entry_id for _, entry_id in starts]
         reply = await self._start(keys=keys, args=args)
-        return [StartDecision(verdict, detail) for verdict, detail in reply_pairs(reply)]
+        decisions = [StartDecision(verdict, detail) for verdict, detail in reply_pairs(reply)]
+        for decision in decisions:
+            # A job's state key that fails it is the job's to answer for; this worker's ACL
+            # refusing the script's commands is the worker's: its entries stay pending.
+            if decision.verdict == "error" and refusal_of(ResponseError(decision.detail)):
+                raise NoPermissionError(decision.detail)
+        return decisions
 
     async def commit(self, batch: Batch) -> list[tuple[str, str]]:
         """Write a batch; returns (entry, reason) for the entries whose events or final were

@@ -109,3 +109,31 @@ def test_a_command_refused_while_serving_is_one_error_line(
     [line] = [line for line in output.splitlines() if "may not send" in line]
     assert " ERROR " in line
     assert f"for queue '{queue_name}'" in line and "docs/SECURITY.md" in line
+
+
+def test_a_start_script_the_acl_refuses_leaves_the_job_pending_not_failed(
+    acl_user: UserFactory, queue_name: str, redis_url: str
+) -> None:
+    """The start script's HINCRBY refused: the worker's configuration, not the job's
+    fault. The job gets no error and no dead letter; its entry waits for a worker that
+    may start it."""
+    url = acl_user([*_every_command_on(queue_name), "-hincrby"])
+    keys = QueueKeys(queue_name)
+    admin = redis.Redis.from_url(redis_url)
+    process = worker_process(url, queue_name, "--engine", "echo")
+    try:
+        time.sleep(2)  # started: the group exists
+        admin.xadd(keys.jobs, {"job": '{"id":"refused-start","prompt":"hi"}'})
+        time.sleep(2)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+        pending = admin.xpending(keys.jobs, "workers")["pending"]
+        dead = admin.xlen(keys.dead)
+        result = admin.get(keys.result("refused-start"))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        admin.close()
+    assert pending == 1 and dead == 0 and result is None, output
+    assert "may not send" in output and "Traceback" not in output
