@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 # An entry longer than the worker's limit comes back as its first this many bytes: enough
 # for its id (the SDK writes it first) and for the dead-letter entry that shows what it was.
 ENTRY_HEAD_BYTES = 16 * 1024
+# And its last this many bytes: where a producer that writes the id last puts it.
+ENTRY_TAIL_BYTES = 512
 # How long the commit markers outlive the queue's last write: a batch is sent again only
 # while Redis is away, and a worker retries its batch until Redis is back. A stopped
 # worker's marker goes with its consumer (Broker.leave, forget_idle_consumers).
@@ -43,6 +45,7 @@ class StreamEntry:
     # This host's clock when the command that gave the entry to this worker went out: its
     # idle time in Redis counts from later than that.
     claimed_at: float = 0.0
+    tail: bytes | None = None  # the last ENTRY_TAIL_BYTES of a payload cut to its head
 
     @property
     def enqueued_at_server(self) -> float:
@@ -182,11 +185,11 @@ class Broker:
         would, if it is over the limit, so that the whole is freed at once."""
         payload = fields.get(b"job")
         size = -1 if payload is None else len(payload)
+        tail = None
         if payload is not None and size > self.max_entry_bytes:
-            payload = payload[:ENTRY_HEAD_BYTES]
-        return StreamEntry(
-            entry_id.decode(), payload, fields.get(b"more") == b"1", size, claimed_at
-        )
+            payload, tail = payload[:ENTRY_HEAD_BYTES], payload[-ENTRY_TAIL_BYTES:]
+        more = fields.get(b"more") == b"1"
+        return StreamEntry(entry_id.decode(), payload, more, size, claimed_at, tail)
 
     async def _take(
         self, how: str, count: int, cursor: str = "0-0", min_idle_ms: int = 0
@@ -207,6 +210,7 @@ class Broker:
     ) -> list[str | int]:
         """The take script's ARGV (broker_scripts.TAKE_LUA)."""
         limits: list[str | int] = [self.max_entry_bytes, cursor, ENTRY_HEAD_BYTES, min_idle_ms]
+        limits.append(ENTRY_TAIL_BYTES)
         return [how, CONSUMER_GROUP, self.consumer, count, *limits]
 
     def _taken(self, reply: Any, claimed_at: float) -> tuple[list[StreamEntry], str]:
@@ -214,9 +218,9 @@ class Broker:
         rows = cast("list[Any]", reply)
         next_cursor, rows = _text(rows[0]), rows[1:]
         entries = [
-            StreamEntry(_text(entry_id), payload, more == b"1", int(size), claimed_at)
-            for entry_id, payload, more, size in zip(
-                rows[::4], rows[1::4], rows[2::4], rows[3::4], strict=True
+            StreamEntry(_text(entry_id), payload, more == b"1", int(size), claimed_at, tail)
+            for entry_id, payload, more, size, tail in zip(
+                rows[::5], rows[1::5], rows[2::5], rows[3::5], rows[4::5], strict=True
             )
         ]
         return entries, next_cursor

@@ -13,9 +13,10 @@ from exlq.protocol.batch_script import per_job_script
 # Take entries: XREADGROUP (ARGV[1] = 'read') or XAUTOCLAIM from cursor ARGV[6] (ARGV[1] =
 # 'claim'), up to ARGV[4] entries, for consumer ARGV[3] of group ARGV[2]; ARGV[5]: the
 # longest payload that comes back whole. A longer one comes back as its first ARGV[7]
-# bytes: the worker refuses it by its size, and never holds the rest. KEYS[1] is the jobs
-# stream. Returns the next cursor ('0-0' for a read), then for each entry its id, payload
-# (nil without a 'job' field), 'more' field and the payload's full size.
+# bytes and its last ARGV[9]: the worker refuses it by its size, and never holds the rest.
+# KEYS[1] is the jobs stream. Returns the next cursor ('0-0' for a read), then for each
+# entry its id, payload (nil without a 'job' field), 'more' field, the payload's full size,
+# and the tail of a payload cut to its head (else nil).
 TAKE_LUA = """
 local reply, cursor, entries
 if ARGV[1] == 'read' then
@@ -32,7 +33,7 @@ local out = {cursor}
 for _, e in ipairs(entries) do
   -- Redis 6.2's XAUTOCLAIM reports an entry deleted while pending as nil (false here).
   if e then
-    local job, more, size = false, '0', -1
+    local job, more, size, tail = false, '0', -1, false
     local fields = e[2] or {}
     for i = 1, #fields, 2 do
       if fields[i] == 'job' then job = fields[i + 1]
@@ -40,12 +41,16 @@ for _, e in ipairs(entries) do
     end
     if job then
       size = #job
-      if size > limit then job = string.sub(job, 1, head) end
+      if size > limit then
+        tail = string.sub(job, -tonumber(ARGV[9]))
+        job = string.sub(job, 1, head)
+      end
     end
     out[#out + 1] = e[1]
     out[#out + 1] = job
     out[#out + 1] = more
     out[#out + 1] = size
+    out[#out + 1] = tail
   end
 end
 return out

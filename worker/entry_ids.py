@@ -56,6 +56,21 @@ def answerable_ids(payload: bytes | None) -> list[str]:
     return list(dict.fromkeys(value for value in named if _is_job_id(value)))
 
 
+# The id as the last member of the top-level object: the value, then the one brace that
+# closes the document. A nested object's last member is followed by more than one closer,
+# and a string cannot end the document with a brace.
+_LAST_ID = re.compile(_ID_KEY + rb'\s*+(?P<value>"[^"\\]*+")\s*+\}\s*+\Z')
+
+
+def closing_id(tail: bytes | None) -> list[str]:
+    """The id a document's last bytes name as its top-level object's last member, if any:
+    for an entry read only in part (over the size limit), whose producer wrote the id
+    last."""
+    found = _LAST_ID.search(tail or b"")
+    value = _string(found.group("value")) if found else None
+    return [value] if value is not None and _is_job_id(value) else []
+
+
 def refuse_two_ids(payload: bytes) -> None:
     """Refuse a payload whose top level names "id" more than once, with different values: a
     parser keeps the last, and a subscriber of the first would never hear of the job. Only

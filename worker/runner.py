@@ -29,7 +29,7 @@ from exlq.worker.broker import ENTRY_HEAD_BYTES, Broker, Read, StartDecision, St
 from exlq.worker.commit_batch import Batch, Final
 from exlq.worker.engine_loop import EngineRunner, StepReport
 from exlq.worker.engines.base import EngineOutput, JobEnded, JobErrored, TokenChunk
-from exlq.worker.entry_ids import answerable_ids, refuse_two_ids
+from exlq.worker.entry_ids import answerable_ids, closing_id, refuse_two_ids
 from exlq.worker.gc_pauses import collections_deferred
 from exlq.worker.job_state import (
     CANCELLED,
@@ -467,7 +467,7 @@ class Worker:
                 guard=True,
                 ack=False,
             )
-            for job_id in answerable_ids(entry.payload)
+            for job_id in answerable_ids(entry.payload) or closing_id(entry.tail)
         ]
         # The entry's one dead letter and ack ride on its last final, written after the
         # others: the commit script writes a final only while the entry is still owned.

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exlq.protocol.models import InvalidRequest
-from exlq.worker.entry_ids import answerable_ids, refuse_two_ids, top_level_ids
+from exlq.worker.entry_ids import answerable_ids, closing_id, refuse_two_ids, top_level_ids
 
 DEEP = 100_000
 
@@ -137,3 +137,22 @@ def test_a_megabyte_scans_in_linear_time(payload: bytes) -> None:
     started = time.perf_counter()
     top_level_ids(payload)
     assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    ("tail", "ids"),
+    [
+        (b'xxxx", "id": "last-1"}', ["last-1"]),  # the top level's last member
+        (b'xxxx", "id" : "last-2" }\n', ["last-2"]),
+        (b'x"}, "meta": {"id": "nested"}}', []),  # a nested object's: two closers
+        (b'x", "ids": [{"id": "in-a-list"}]}', []),
+        (b'"prompt": "a \\"id\\": \\"q\\"}"}', []),  # inside a string
+        (b'x", "id": 7}', []),  # not a string
+        (b'x", "id": "no spaces allowed"}', []),  # not a job id
+        (None, []),
+    ],
+)
+def test_the_id_that_closes_a_document_is_read_from_its_tail(
+    tail: bytes | None, ids: list[str]
+) -> None:
+    assert closing_id(tail) == ids
