@@ -417,13 +417,7 @@ class Worker:
             "submit the job under a new id to run it again"
         )
         log.warning("entry %s not run: %s", job.entry_id, message)
-        error = ErrorInfo(code="duplicate_id", message=message)
-        event = ErrorEvent(id=job.job_id, seq=0, attempt=1, error=error)
-        dead = self._dead_fields(job.entry_id, job.request.model_dump_json().encode(), error, 0)
-        batch.finish(
-            Final(job.entry_id, channel=job.channel, event_json=event.model_dump_json(), dead=dead)
-        )
-        self.metrics.job_failed("duplicate_id")
+        self._answer_unrun(batch, job, ErrorInfo(code="duplicate_id", message=message), 0)
 
     def _unstartable(self, batch: Batch, job: RunningJob, redis_error: str) -> None:
         """The start script failed on this job's state key (say it holds another type): an
@@ -435,13 +429,19 @@ class Worker:
             "delete that key, or submit the job under another id"
         )
         log.warning("entry %s of job %s: %s", job.entry_id, job.job_id, message)
-        error = ErrorInfo(code="internal_error", message=message)
+        self._answer_unrun(batch, job, ErrorInfo(code="internal_error", message=message), 1)
+
+    def _answer_unrun(self, batch: Batch, job: RunningJob, error: ErrorInfo, attempts: int) -> None:
+        """An entry the start script would not run: an error event on its job's channel and
+        a dead-letter entry, then the ack; the job's result and state are not written."""
         event = ErrorEvent(id=job.job_id, seq=0, attempt=1, error=error)
-        dead = self._dead_fields(job.entry_id, job.request.model_dump_json().encode(), error, 1)
+        dead = self._dead_fields(
+            job.entry_id, job.request.model_dump_json().encode(), error, attempts
+        )
         batch.finish(
             Final(job.entry_id, channel=job.channel, event_json=event.model_dump_json(), dead=dead)
         )
-        self.metrics.job_failed("internal_error")
+        self.metrics.job_failed(error.code)
 
     def _reject(self, batch: Batch, entry: StreamEntry, message: str) -> None:
         """An entry that can never run: an error event and a failed result for each usable
