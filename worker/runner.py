@@ -97,6 +97,10 @@ class Worker:
         # with its own verdict (job_state.Piece), and could take back its entries, idle
         # until the worker holds them.
         self._intake = asyncio.Lock()
+        # One write at a time goes to Redis from here on: the news that Redis lost a job
+        # (entries_lost) waits for a commit in flight, whose batch may hold that job's
+        # last tokens, so that nothing of the job follows the news.
+        self._writing = asyncio.Lock()
         # Token chunks published, for their metrics: (enqueued at, the job's token before
         # this one, this one's time, the chunk).
         self._tokens_seen: list[tuple[float, float | None, float, TokenChunk]] = []
@@ -636,14 +640,16 @@ class Worker:
         A batch sent again publishes nothing twice (broker.Broker.commit)."""
         if tracing.tracer is not None:
             tracing.tracer.stage("commit_begun")
-        try:
-            # Tried once without the retry machinery first: building tenacity's loop would
-            # cost every commit, on the way of every token, and a commit seldom needs it.
-            unwritten = await self.broker.commit(batch)
-        except RedisError as exc:
-            self.set_redis_ok(False)
-            log.warning("writing to Redis failed (%s); retrying", exc)
-            unwritten = await self._commit_retrying(batch)
+        async with self._writing:
+            try:
+                # Tried once without the retry machinery first: building tenacity's loop
+                # would cost every commit, on the way of every token, and a commit seldom
+                # needs it.
+                unwritten = await self.broker.commit(batch)
+            except RedisError as exc:
+                self.set_redis_ok(False)
+                log.warning("writing to Redis failed (%s); retrying", exc)
+                unwritten = await self._commit_retrying(batch)
         if tracing.tracer is not None:
             tracing.tracer.stage("commit_ended")
         self.set_redis_ok(True)
@@ -700,12 +706,15 @@ class Worker:
         for job in self.jobs.lose(gone):
             log.warning("Redis lost job %s (entry %s); stopping it here", job.job_id, job.entry_id)
         # An ended job's final went unwritten too: its subscribers are owed the news as well.
-        for job in self.jobs.jobs_in(HELD):
-            if job.entry_id in gone and not job.lost_announced:
+        if not gone:
+            return
+        async with self._writing:  # a renewal and a commit may both find the entry gone
+            for job in self.jobs.jobs_in(HELD):
+                if job.entry_id not in gone or job.lost_announced:
+                    continue
                 job.lost_announced = True
-                if await self.broker.announce_lost(
-                    job.job_id, job.channel, job.lost_event(self.broker.consumer)
-                ):
+                event = job.lost_event(self.broker.consumer)
+                if await self.broker.announce_lost(job.job_id, job.channel, event):
                     self.metrics.job_failed("lost")
 
     # -- state ---------------------------------------------------------------------------
