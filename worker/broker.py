@@ -241,18 +241,22 @@ class Broker:
                 raise NoPermissionError(decision.detail)
         return decisions
 
-    async def commit(self, batch: Batch) -> list[tuple[str, str]]:
+    async def commit(self, batch: Batch, whole: Batch | None = None) -> list[tuple[str, str]]:
         """Write a batch; returns (entry, reason) for the entries whose events or final were
         not written: 'taken' (another worker owns it now), 'gone' (Redis no longer holds it
         pending) or 'error: ...' (Redis refused a final's writes). Sent again after a lost
-        reply, a batch publishes nothing twice (broker_scripts.COMMIT_LUA). A batch too
-        large for one call goes as several, in order."""
+        reply, a batch publishes nothing twice: a call Redis ran is answered from this
+        worker's marker (broker_scripts.COMMIT_LUA), and a batch too large for one call,
+        which goes as several in order, sends again only the calls not answered."""
+        whole = whole or batch
         if batch.name is None:
             batch.name = next(self._batch_names)
+        if batch.name in whole.answered:
+            return whole.answered[batch.name]
         script_keys, body = batch.encode(self.keys)
         if len(body) > MAX_CALL_BYTES and len(batch) > 1:
             first, second = batch.halves()
-            return [*await self.commit(first), *await self.commit(second)]
+            return [*await self.commit(first, whole), *await self.commit(second, whole)]
         reply = await self._commit(
             keys=[self.keys.jobs, self.keys.dead, self.keys.commits, *script_keys],
             args=[
@@ -266,7 +270,8 @@ class Broker:
                 COMMIT_MARKER_TTL_S,
             ],
         )
-        return reply_pairs(reply)
+        whole.answered[batch.name] = reply_pairs(reply)
+        return whole.answered[batch.name]
 
     async def announce_lost(self, job_id: str, channel: str, event_json: str) -> bool:
         """Publish the event that tells a job's subscribers Redis lost it, unless its state

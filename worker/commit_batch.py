@@ -52,6 +52,9 @@ class Batch:
     # Names the batch in the commit marker, so that the batch sent again after a lost reply
     # is known there; the broker names it at its first send.
     name: str | None = None
+    # What each call of the batch reported, by the call's name, once Redis answered it: a
+    # batch written in several calls and sent again sends only the calls not answered.
+    answered: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
     def publish(self, channel: str, event_json: str, entry_id: str) -> None:
         self.publishes.append((channel, event_json, entry_id))

@@ -96,3 +96,48 @@ def _stop(process: subprocess.Popen[str]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.communicate()
+
+
+async def test_a_batch_over_one_calls_size_goes_as_several_calls_in_order(
+    redis_url: str, queue_name: str, redis_client: Any
+) -> None:
+    """A batch larger than MAX_CALL_BYTES is written as several script calls, in order. The
+    reply to one of them lost, the batch is sent again: the calls answered before are not
+    sent, the one Redis ran is answered from the marker, and every event arrives once."""
+    from exlq.protocol.keys import QueueKeys
+    from exlq.worker.broker import Broker
+    from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
+
+    keys = QueueKeys(queue_name)
+    broker = Broker.from_url(redis_url, keys, "big-writer", result_ttl_s=60, dead_max_len=10)
+    await broker.ensure_group()
+    await redis_client.xadd(keys.jobs, {"job": "{}"})
+    [entry] = (await broker.read(1, None)).entries  # its events are this worker's to publish
+    script = broker._commit
+    calls: list[int] = []
+
+    async def second_reply_lost(**call: Any) -> Any:
+        calls.append(len(call["args"][5]))
+        reply = await script(**call)
+        if len(calls) == 2:
+            raise RedisConnectionError("connection reset by peer")
+        return reply
+
+    broker._commit = second_reply_lost  # type: ignore[method-assign]
+    chunk = "x" * (MAX_CALL_BYTES // 3)
+    batch = Batch()
+    for seq in range(7):
+        batch.publish(keys.events("big"), f'{{"seq": {seq}, "text": "{chunk}"}}', entry.entry_id)
+    try:
+        async with raw_events(redis_url, keys.events("big")) as recorder:
+            with pytest.raises(RedisConnectionError):
+                await broker.commit(batch)
+            await broker.commit(batch)  # as the worker's retry does
+            await wait_until(lambda: len(recorder.events) >= 7, 10)
+            await asyncio.sleep(0.2)
+    finally:
+        await broker.close()
+    assert [e["seq"] for e in recorder.events] == list(range(7))
+    assert max(calls) <= MAX_CALL_BYTES
+    parts = len(calls) - 1  # the call whose reply was lost went twice
+    assert len(batch.answered) == parts >= 3
