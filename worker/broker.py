@@ -19,7 +19,7 @@ from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
 from exlq.worker.broker_scripts import COMMIT_LUA, LOST_LUA, RENEW_LUA, START_MANY_LUA, TAKE_LUA
 from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
-from exlq.worker.redis_refusals import refusal_of
+from exlq.worker.redis_refusals import refusal_in
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class Broker:
         for decision in decisions:
             # A job's state key that fails it is the job's to answer for; this worker's ACL
             # refusing the script's commands is the worker's: its entries stay pending.
-            if decision.verdict == "error" and refusal_of(ResponseError(decision.detail)):
+            if decision.verdict == "error" and refusal_in(decision.detail):
                 raise NoPermissionError(decision.detail)
         return decisions
 

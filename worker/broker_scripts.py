@@ -111,10 +111,16 @@ local function report(entry, why)
     lost[#lost + 1] = why
   end
 end
-local publish = {}
-for _, p in ipairs(batch.publish or {}) do
-  local why = checked and owner(p[3]) or 'mine'
-  if why == 'mine' then publish[#publish + 1] = p else report(p[3], why) end
+-- Within the lease (the common case) the events go out as they came, with no check and
+-- no copy; past it, only those of entries this worker still owns.
+local publish = batch.publish or {}
+if checked then
+  local owned = {}
+  for _, p in ipairs(publish) do
+    local why = owner(p[3])
+    if why == 'mine' then owned[#owned + 1] = p else report(p[3], why) end
+  end
+  publish = owned
 end
 local finals = {}
 for _, f in ipairs(batch.finals or {}) do

@@ -59,7 +59,12 @@ def permission_refused(user: str, keys: QueueKeys, refused: str, command: str | 
 
 def refusal_of(reply: object) -> str | None:
     """What Redis's ACL refused, where ``reply`` is an error reply that says so, else None."""
-    found = _REFUSAL.search(str(reply)) if isinstance(reply, ResponseError) else None
+    return refusal_in(str(reply)) if isinstance(reply, ResponseError) else None
+
+
+def refusal_in(message: str) -> str | None:
+    """What Redis's ACL refused, where an error message from Redis says so, else None."""
+    found = _REFUSAL.search(message)
     return found.group(0) if found else None
 
 
