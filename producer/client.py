@@ -29,7 +29,7 @@ from exlq.producer.subscriber import RECONNECTED, EventRouter
 from exlq.producer.worker_watch import DEFAULT_STALE_AFTER_S, WorkerWatch
 from exlq.protocol.backoff import REDIS_BACKOFF
 from exlq.protocol.command_packing import pack_in_c
-from exlq.protocol.keys import DEFAULT_PREFIX, QueueKeys
+from exlq.protocol.keys import DEFAULT_PREFIX, LANES, Lane, QueueKeys
 from exlq.protocol.models import (
     DoneEvent,
     ErrorEvent,
@@ -405,7 +405,10 @@ class AsyncProducer:
         self._router = EventRouter(
             client, self.keys.events(SERVER_CHECK_ID), self.keys.job(SERVER_CHECK_ID)
         )
-        self._submits = SubmitBatcher(client, self._router, self.keys, state_ttl_s, max_backlog)
+        self._submits = {
+            lane: SubmitBatcher(client, self._router, self.keys, state_ttl_s, max_backlog, lane)
+            for lane in LANES
+        }
         self._workers = WorkerWatch(
             client,
             self.keys,
@@ -423,18 +426,31 @@ class AsyncProducer:
 
     async def close(self) -> None:
         await self._workers.close()
-        await self._submits.close()
+        for submits in self._submits.values():
+            await submits.close()
         await self._router.close()
         if self._owns_client:
             await self._redis.aclose(close_connection_pool=True)
 
     async def submit(
-        self, prompt: str | None = None, *, request: GenerationRequest | None = None, **fields: Any
+        self,
+        prompt: str | None = None,
+        *,
+        request: GenerationRequest | None = None,
+        priority: Lane = "interactive",
+        **fields: Any,
     ) -> JobHandle:
         """Enqueue a job and return its handle. Subscribes before enqueuing, so no event is
         missed. Submitting an id that exists returns a handle to that same job. Submits made
         at once (from many tasks) go to Redis together: one SUBSCRIBE and one script, in one
-        write."""
+        write.
+
+        ``priority`` picks the lane: a worker fills free slots with ``interactive`` jobs
+        first and gives ``batch`` jobs the rest, plus a share it always keeps for them, so
+        a batch lane is never starved (docs/ARCHITECTURE.md, "Priority lanes"). The backlog
+        limit counts each lane on its own."""
+        if priority not in LANES:
+            raise ValueError(f"priority {priority!r} is not a lane: use one of {', '.join(LANES)}")
         if request is not None and (prompt is not None or fields):
             raise TypeError("pass either request= or prompt and fields, not both")
         # Only the id and the JSON wait for Redis: a request built here (its prompt's
@@ -446,7 +462,7 @@ class AsyncProducer:
         job_id, request_json = _wire_form(
             request if request is not None else build_request(prompt, fields)
         )
-        submitted = await self._submits.submit(job_id, request_json)
+        submitted = await self._submits[priority].submit(job_id, request_json)
         if submitted.outcome == "full":
             raise QueueFull(
                 f"queue {self.keys.queue!r} holds {submitted.detail} jobs, at its limit of "

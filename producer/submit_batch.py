@@ -1,5 +1,7 @@
 """SubmitBatcher: the submits made in one pass of the event loop go to Redis together.
 
+One batcher serves one priority lane (one stream); the producer holds one per lane.
+
 A service that takes many requests at once calls ``submit()`` from many tasks at once.
 Sent one by one, each job costs a SUBSCRIBE and a script call, and a burst reaches the
 queue spread over as many round trips, so a worker starts the first job alone. Batched, each
@@ -40,7 +42,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from exlq.producer.subscriber import EventRouter
 from exlq.protocol.batch_script import PIECE_JOBS, per_job_script, reply_pairs
 from exlq.protocol.eager_task import EAGER_START, eager_task
-from exlq.protocol.keys import QueueKeys
+from exlq.protocol.keys import Lane, QueueKeys
 
 # The pieces of a loop pass's first PIECE_JOBS jobs: a worker offers each to its engine
 # while the SDK validates the next (docs/PERFORMANCE.md, "Starting a burst (always on)").
@@ -108,10 +110,12 @@ class SubmitBatcher:
         keys: QueueKeys,
         state_ttl_s: int,
         max_backlog: int,
+        lane: Lane = "interactive",
     ) -> None:
         self._redis = client
         self._router = router
         self._keys = keys
+        self._stream = keys.lane_jobs(lane)
         self._state_ttl_s = state_ttl_s
         self._max_backlog = max_backlog
         self._script = client.register_script(SUBMIT_MANY_LUA)
@@ -171,7 +175,7 @@ class SubmitBatcher:
     async def _send(self, batch: list[_Pending], more: bool = False) -> None:
         try:
             channels = [self._keys.events(p.job_id) for p in batch]
-            keys = [self._keys.jobs, *(self._keys.job(p.job_id) for p in batch)]
+            keys = [self._stream, *(self._keys.job(p.job_id) for p in batch)]
             args: list[str | int] = [self._state_ttl_s, self._max_backlog, "1" if more else ""]
             args += [p.request_json for p in batch]
             script = ("EVALSHA", self._script.sha, len(keys), *keys, *args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 DEFAULT_PREFIX = "exlq"
 CONSUMER_GROUP = "workers"
@@ -11,6 +12,11 @@ CONSUMER_GROUP = "workers"
 # safe alphabet so that no name can break out of its `{...}` tag.
 NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 _NAME_RE = re.compile(NAME_PATTERN)
+# Priority lanes, highest first: each lane of a queue is a stream of its own, and a worker
+# fills its free slots from the higher lane first (worker/lanes.py says how the lower one is
+# never starved). A job's lane is the stream it was added to.
+Lane = Literal["interactive", "batch"]
+LANES: tuple[Lane, ...] = ("interactive", "batch")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -52,6 +58,11 @@ class QueueKeys:
     def jobs(self) -> str:
         """Stream of job entries; field ``job`` holds the request JSON."""
         return f"{self._base}:jobs"
+
+    def lane_jobs(self, lane: Lane) -> str:
+        """The stream of one priority lane: ``jobs`` for interactive, ``jobs:batch`` for
+        batch. Both have the consumer group ``workers``."""
+        return self.jobs if lane == "interactive" else f"{self._base}:jobs:{lane}"
 
     @property
     def dead(self) -> str:

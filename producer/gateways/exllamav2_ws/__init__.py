@@ -1,0 +1,2 @@
+"""The exllamav2 WebSocket gateway: ExLlamaV2WebSocketServer's protocol, served from an exlq
+queue."""

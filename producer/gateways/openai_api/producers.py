@@ -1,0 +1,104 @@
+"""One SDK producer per model: a model name is a queue name. Shared by every route."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from exlq.producer.client import AsyncProducer
+from exlq.protocol.command_packing import pack_in_c
+from exlq.protocol.keys import QueueKeys, check_name
+
+
+@dataclass(frozen=True, slots=True)
+class LiveModel:
+    """A queue with at least one live worker, from the workers' heartbeats."""
+
+    name: str
+    workers: int
+    created: int  # the Unix time the oldest live worker started, or its last heartbeat
+
+
+class ProducerPool:
+    """Creates each queue's AsyncProducer on first use; all share one connection pool."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        prefix: str,
+        worker_stale_after_s: float,
+        max_backlog: int = 0,
+        max_connections: int = 64,
+    ) -> None:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=max_connections, timeout=None
+        )
+        pack_in_c(pool)
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self.prefix = prefix
+        self.worker_stale_after_s = worker_stale_after_s
+        self.max_backlog = max_backlog
+        self._producers: dict[str, AsyncProducer] = {}
+
+    def producer(self, model: str) -> AsyncProducer:
+        """The producer of queue ``model``; raises ValueError for a name no queue can have."""
+        found = self._producers.get(model)
+        if found is None:
+            check_name("model", model)
+            found = AsyncProducer(
+                queue=model,
+                prefix=self.prefix,
+                client=self.redis,
+                max_backlog=self.max_backlog,
+                worker_stale_after_s=self.worker_stale_after_s,
+            )
+            self._producers[model] = found
+        return found
+
+    def keys(self, model: str) -> QueueKeys:
+        return QueueKeys(queue=model, prefix=self.prefix)
+
+    async def live_workers(self, model: str) -> int:
+        """How many workers of queue ``model`` sent a heartbeat within the stale time."""
+        beats = await self.redis.hvals(self.keys(model).workers)
+        now = time.time()
+        return sum(1 for beat in beats if now - _last_seen(beat) <= self.worker_stale_after_s)
+
+    async def live_models(self) -> list[LiveModel]:
+        """Every queue under the prefix whose workers hash holds a live heartbeat."""
+        found: list[LiveModel] = []
+        now = time.time()
+        async for key in self.redis.scan_iter(match=f"{self.prefix}:{{*}}:workers", count=500):
+            name = _queue_of(key, self.prefix)
+            if name is None:
+                continue
+            beats = await self.redis.hvals(key)
+            seen = [_last_seen(b) for b in beats]
+            live = [t for t in seen if now - t <= self.worker_stale_after_s]
+            if live:
+                found.append(LiveModel(name, len(live), int(min(live))))
+        return sorted(found, key=lambda m: m.name)
+
+    async def close(self) -> None:
+        for producer in self._producers.values():
+            await producer.close()
+        await self.redis.aclose(close_connection_pool=True)
+
+
+def _queue_of(key: bytes | str, prefix: str) -> str | None:
+    text = key.decode() if isinstance(key, bytes) else key
+    head, tail = f"{prefix}:{{", "}:workers"
+    if not (text.startswith(head) and text.endswith(tail)):
+        return None
+    return text[len(head) : -len(tail)] or None
+
+
+def _last_seen(raw: bytes | str) -> float:
+    try:
+        return float(json.loads(raw).get("last_seen", 0.0))
+    except (ValueError, TypeError, AttributeError):
+        return 0.0
