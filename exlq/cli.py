@@ -8,11 +8,13 @@ import typer
 
 from exlq._version import __version__
 from exlq.producer.cli import app
+from exlq.producer.gateways.cli import gateway_app
 from exlq.worker.cli import engines, up, worker
 
 app.command(help=worker.__doc__)(worker)
 app.command(help=up.__doc__)(up)
 app.command(help=engines.__doc__)(engines)
+app.add_typer(gateway_app)
 
 
 def _print_version(asked: bool) -> None:
