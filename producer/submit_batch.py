@@ -42,16 +42,17 @@ from redis.exceptions import NoScriptError, ResponseError
 from exlq.producer.subscriber import EventRouter
 from exlq.protocol.batch_script import PIECE_JOBS, per_job_script, reply_pairs
 from exlq.protocol.eager_task import EAGER_START, eager_task
-from exlq.protocol.keys import Lane, QueueKeys
+from exlq.protocol.keys import Lane, QueueKeys, entry_ref
 
 # The pieces of a loop pass's first PIECE_JOBS jobs: a worker offers each to its engine
 # while the SDK validates the next (docs/PERFORMANCE.md, "Starting a burst (always on)").
 FIRST_PIECE_JOBS = 8
 
 # Atomic per job: dedupe on the job id, refuse when the backlog is full, enqueue, record
-# state. KEYS[1] is the stream, KEYS[1 + i] job i's state hash; ARGV[1] the state TTL,
-# ARGV[2] the backlog limit (0: none), ARGV[3] '1' when more of the burst follows this
-# piece (each entry then carries more=1), else '', ARGV[3 + i] job i's request JSON.
+# state. KEYS[1] is the lane's stream, KEYS[1 + i] job i's state hash; ARGV[1] the state
+# TTL, ARGV[2] the backlog limit (0: none), ARGV[3] '1' when more of the burst follows this
+# piece (each entry then carries more=1), else '', ARGV[4] what the job hash appends to the
+# entry id to name the lane (keys.entry_ref), ARGV[4 + i] job i's request JSON.
 SUBMIT_MANY_LUA = per_job_script(
     """
 local stream = KEYS[1]
@@ -66,14 +67,14 @@ local function submit(job, request)
     local backlog = redis.call('XLEN', stream)
     if backlog >= max_backlog then return {'full', tostring(backlog)} end
   end
-  local entry = redis.call('XADD', stream, '*', 'job', request, unpack(marks))
+  local entry = redis.call('XADD', stream, '*', 'job', request, unpack(marks)) .. ARGV[4]
   redis.call('HSET', job, 'state', 'queued', 'entry', entry, 'attempts', 0)
   redis.call('EXPIRE', job, ttl)
   return {'queued', entry}
 end""",
     "submit",
     first_key=2,
-    arg_offset=2,
+    arg_offset=3,
 )
 
 
@@ -116,6 +117,7 @@ class SubmitBatcher:
         self._router = router
         self._keys = keys
         self._stream = keys.lane_jobs(lane)
+        self._lane_mark = entry_ref("", lane)
         self._state_ttl_s = state_ttl_s
         self._max_backlog = max_backlog
         self._script = client.register_script(SUBMIT_MANY_LUA)
@@ -177,6 +179,7 @@ class SubmitBatcher:
             channels = [self._keys.events(p.job_id) for p in batch]
             keys = [self._stream, *(self._keys.job(p.job_id) for p in batch)]
             args: list[str | int] = [self._state_ttl_s, self._max_backlog, "1" if more else ""]
+            args.append(self._lane_mark)
             args += [p.request_json for p in batch]
             script = ("EVALSHA", self._script.sha, len(keys), *keys, *args)
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -16,9 +17,10 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from exlq.protocol.batch_script import reply_pairs
 from exlq.protocol.command_packing import pack_in_c
-from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
+from exlq.protocol.keys import CONSUMER_GROUP, LANES, Lane, QueueKeys, entry_ref, split_entry_ref
 from exlq.worker.broker_scripts import COMMIT_LUA, LOST_LUA, RENEW_LUA, START_MANY_LUA, TAKE_LUA
 from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
+from exlq.worker.lanes import TakePlan
 from exlq.worker.redis_refusals import refusal_in
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ COMMIT_MARKER_TTL_S = 24 * 3600
 
 @dataclass(frozen=True, slots=True)
 class StreamEntry:
-    entry_id: str
+    entry_id: str  # the entry's id in its lane's stream, with the lane (keys.entry_ref)
     payload: bytes | None  # the ``job`` field (its head if too long); None when it has none
     # The ``more`` field is 1: its producer is writing more of the same burst right behind
     # it (exlq.producer.submit_batch); a hint to wait for them, never needed to run the job.
@@ -51,6 +53,10 @@ class StreamEntry:
     def enqueued_at_server(self) -> float:
         """Unix time (Redis server clock) at which XADD created the entry."""
         return int(self.entry_id.split("-", 1)[0]) / 1000.0
+
+    @property
+    def lane(self) -> Lane:
+        return split_entry_ref(self.entry_id)[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,8 @@ class Broker:
         self.dead_max_len = dead_max_len
         self.max_entry_bytes = max_entry_bytes
         self.groups_recreated = 0
+        # The lanes' streams, in LANES order: the take script's KEYS.
+        self.streams = [keys.lane_jobs(lane) for lane in LANES]
         self._start = client.register_script(START_MANY_LUA)
         self._take_script = client.register_script(TAKE_LUA)
         self._commit = client.register_script(COMMIT_LUA)
@@ -117,11 +125,13 @@ class Broker:
         return seconds + micros / 1e6 - (before + after) / 2
 
     async def ensure_group(self) -> None:
-        try:
-            await self.client.xgroup_create(self.keys.jobs, CONSUMER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """The consumer group on every lane's stream."""
+        for stream in self.streams:
+            try:
+                await self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     async def _group_back(self, exc: ResponseError) -> None:
         """Redis answered NOGROUP: the stream or its consumer group is gone (a restart
@@ -140,26 +150,28 @@ class Broker:
         )
         await self.ensure_group()
 
-    async def read(self, count: int, block_ms: int | None) -> Read:
-        """Up to ``count`` new entries. When none is waiting, wait up to ``block_ms`` (None:
-        no wait) for the first, which comes alone, and take what landed with it: the rest
-        comes through the take script, which never hands over more than ENTRY_HEAD_BYTES
-        of an entry over the size limit. So a read holds at most one whole entry, however
-        large."""
-        entries, _ = await self._take("read", count)
-        if entries or block_ms is None:
-            return Read(entries, complete=len(entries) < count)
+    async def read(self, plan: TakePlan, block_ms: int | None) -> Read:
+        """Up to ``plan.total`` new entries, from the lanes as the plan says
+        (worker/lanes.py). When none is waiting, wait up to ``block_ms`` (None: no wait) for
+        the first of each lane the plan reads, as many lanes as it has slots for, which
+        come alone, and take what landed with them: the rest comes through the take script,
+        which never hands over more than ENTRY_HEAD_BYTES of an entry over the size limit.
+        So a read holds at most one whole entry per lane, however large."""
+        entries, _ = await self._take_read(plan)
+        waits_on = plan.lanes()[: plan.total]
+        if entries or block_ms is None or not waits_on:
+            return Read(entries, complete=len(entries) < plan.total)
         claimed_at = time.time()
+        rest_plan = plan.less(len(waits_on))
         # One round trip: Redis runs the script as soon as the blocking read returns, so
         # what landed with the first entry (a burst written at once) comes in the same
         # reply, as a blocking read of the whole count would have brought it.
         async with self.client.pipeline(transaction=False) as pipe:
-            pipe.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {self.keys.jobs: ">"}, count=1, block=block_ms
-            )
-            if count > 1:
-                args = self._take_args("read", count - 1)
-                await self._take_script(keys=[self.keys.jobs], args=args, client=pipe)
+            streams: dict[Any, Any] = {self.keys.lane_jobs(lane): ">" for lane in waits_on}
+            pipe.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=1, block=block_ms)
+            if rest_plan.total > 0:
+                args = self._take_args("read", rest_plan.total, steps=rest_plan.steps)
+                await self._take_script(keys=self.streams, args=args, client=pipe)
             # Each reply on its own: an entry the blocking read brought is this worker's
             # now, whatever became of the script behind it (Redis may have lost its scripts
             # while the read waited), and must not be dropped with the script's error.
@@ -172,15 +184,23 @@ class Broker:
         # RESP2 replies (the client's default): [(stream, [(entry_id, fields), ...])]
         messages = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", first or [])
         entries = [
-            self._entry(entry_id, fields, claimed_at)
-            for _stream, taken in messages
+            self._entry(entry_id, fields, claimed_at, self._lane_of(stream))
+            for stream, taken in messages
             for entry_id, fields in taken
         ]
+        complete = False  # unless the take behind the wait brought less than it could
         if entries and rest and not isinstance(rest[0], Exception):
-            entries += self._taken(rest[0], claimed_at)[0]
-        return Read(entries, complete=len(entries) < count)
+            followed = self._taken(rest[0], claimed_at, LANES)[0]
+            entries += followed
+            complete = len(followed) < rest_plan.total
+        return Read(entries, complete=complete)
 
-    def _entry(self, entry_id: bytes, fields: dict[bytes, bytes], claimed_at: float) -> StreamEntry:
+    def _lane_of(self, stream: bytes | str) -> Lane:
+        return LANES[self.streams.index(_text(stream))]
+
+    def _entry(
+        self, entry_id: bytes, fields: dict[bytes, bytes], claimed_at: float, lane: Lane
+    ) -> StreamEntry:
         """An entry the blocking read brought whole: cut to its head, as the take script
         would, if it is over the limit, so that the whole is freed at once."""
         payload = fields.get(b"job")
@@ -189,38 +209,58 @@ class Broker:
         if payload is not None and size > self.max_entry_bytes:
             payload, tail = payload[:ENTRY_HEAD_BYTES], payload[-ENTRY_TAIL_BYTES:]
         more = fields.get(b"more") == b"1"
-        return StreamEntry(entry_id.decode(), payload, more, size, claimed_at, tail)
+        ref = entry_ref(entry_id.decode(), lane)
+        return StreamEntry(ref, payload, more, size, claimed_at, tail)
+
+    async def _take_read(self, plan: TakePlan) -> tuple[list[StreamEntry], str]:
+        """Entries the take script reads by ``plan``, without waiting."""
+        args = self._take_args("read", plan.total, steps=plan.steps)
+        return await self._take(self.streams, LANES, args)
 
     async def _take(
-        self, how: str, count: int, cursor: str = "0-0", min_idle_ms: int = 0
+        self, streams: list[str], lanes: tuple[Lane, ...], args: list[str | int]
     ) -> tuple[list[StreamEntry], str]:
-        """Entries read ('read') or claimed ('claim', from ``cursor``) by the take script,
-        and the cursor to go on from."""
+        """Entries read or claimed by the take script from ``streams`` (of ``lanes``), and
+        the cursor to go on from."""
         claimed_at = time.time()
-        args = self._take_args(how, count, cursor, min_idle_ms)
         try:
-            reply = await self._take_script(keys=[self.keys.jobs], args=args)
+            reply = await self._take_script(keys=streams, args=args)
         except ResponseError as exc:
             await self._group_back(exc)
             return [], "0-0"
-        return self._taken(reply, claimed_at)
+        return self._taken(reply, claimed_at, lanes)
 
     def _take_args(
-        self, how: str, count: int, cursor: str = "0-0", min_idle_ms: int = 0
+        self,
+        how: str,
+        count: int,
+        cursor: str = "0-0",
+        min_idle_ms: int = 0,
+        steps: tuple[tuple[Lane, int], ...] = (),
     ) -> list[str | int]:
         """The take script's ARGV (broker_scripts.TAKE_LUA)."""
         limits: list[str | int] = [self.max_entry_bytes, cursor, ENTRY_HEAD_BYTES, min_idle_ms]
         limits.append(ENTRY_TAIL_BYTES)
-        return [how, CONSUMER_GROUP, self.consumer, count, *limits]
+        plan = [x for lane, cap in steps for x in (LANES.index(lane) + 1, cap)]
+        return [how, CONSUMER_GROUP, self.consumer, count, *limits, *plan]
 
-    def _taken(self, reply: Any, claimed_at: float) -> tuple[list[StreamEntry], str]:
+    def _taken(
+        self, reply: Any, claimed_at: float, lanes: tuple[Lane, ...]
+    ) -> tuple[list[StreamEntry], str]:
         """The take script's reply as entries, and its cursor."""
         rows = cast("list[Any]", reply)
         next_cursor, rows = _text(rows[0]), rows[1:]
         entries = [
-            StreamEntry(_text(entry_id), payload, more == b"1", int(size), claimed_at, tail)
-            for entry_id, payload, more, size, tail in zip(
-                rows[::5], rows[1::5], rows[2::5], rows[3::5], rows[4::5], strict=True
+            StreamEntry(
+                entry_ref(_text(entry_id), lanes[int(lane) - 1]),
+                payload,
+                more == b"1",
+                int(size),
+                claimed_at,
+                tail,
+            )
+            for lane, entry_id, payload, more, size, tail in zip(
+                rows[::6], rows[1::6], rows[2::6], rows[3::6], rows[4::6], rows[5::6], strict=True
             )
         ]
         return entries, next_cursor
@@ -258,7 +298,7 @@ class Broker:
             first, second = batch.halves()
             return [*await self.commit(first, whole), *await self.commit(second, whole)]
         reply = await self._commit(
-            keys=[self.keys.jobs, self.keys.dead, self.keys.commits, *script_keys],
+            keys=[self.keys.jobs, self.keys.dead, self.keys.commits, self.streams[1], *script_keys],
             args=[
                 CONSUMER_GROUP,
                 self.consumer,
@@ -286,21 +326,24 @@ class Broker:
         if not jobs:
             return []
         lost = await self._renew(
-            keys=[self.keys.jobs, *(self.keys.job(job_id) for job_id, _ in jobs)],
+            keys=[*self.streams, *(self.keys.job(job_id) for job_id, _ in jobs)],
             args=[CONSUMER_GROUP, self.consumer, self.result_ttl_s, *(e for _, e in jobs)],
         )
         return reply_pairs(lost)
 
     async def reclaim(self, count: int, min_idle_ms: int) -> list[StreamEntry]:
-        """Take over up to ``count`` entries whose owner stopped renewing them (XAUTOCLAIM
-        is one atomic command: no two workers take the same entry)."""
+        """Take over up to ``count`` entries whose owner stopped renewing them, the
+        interactive lane's first (XAUTOCLAIM is one atomic command: no two workers take the
+        same entry)."""
         taken: list[StreamEntry] = []
-        cursor = "0-0"
-        while len(taken) < count:
-            entries, cursor = await self._take("claim", count - len(taken), cursor, min_idle_ms)
-            taken += entries
-            if cursor == "0-0":
-                break
+        for lane, stream in zip(LANES, self.streams, strict=True):
+            cursor = "0-0"
+            while len(taken) < count:
+                args = self._take_args("claim", count - len(taken), cursor, min_idle_ms)
+                entries, cursor = await self._take([stream], (lane,), args)
+                taken += entries
+                if cursor == "0-0":
+                    break
         return taken
 
     async def cancel_flags(self, job_ids: list[str]) -> list[str]:
@@ -317,8 +360,14 @@ class Broker:
         """Drop stream entries that every consumer group has delivered and acknowledged;
         returns how many. Never drops an entry some group has not finished. A stream
         Redis no longer holds has nothing to trim (the reader creates it again)."""
+        trimmed = 0
+        for stream in self.streams:
+            trimmed += await self._trim(stream)
+        return trimmed
+
+    async def _trim(self, stream: str) -> int:
         try:
-            groups = await self.client.xinfo_groups(self.keys.jobs)
+            groups = await self.client.xinfo_groups(stream)
         except ResponseError as exc:
             if _no_stream(exc):
                 return 0
@@ -328,7 +377,7 @@ class Broker:
         keep_from: list[tuple[int, int]] = []
         for group in groups:
             name = group["name"]
-            pending = await self.client.xpending(self.keys.jobs, name)
+            pending = await self.client.xpending(stream, name)
             if pending["pending"]:
                 keep_from.append(_parse_id(pending["min"]))
             else:
@@ -337,25 +386,30 @@ class Broker:
         ms, seq = min(keep_from)
         if (ms, seq) <= (0, 1):
             return 0
-        return int(await self.client.xtrim(self.keys.jobs, minid=f"{ms}-{seq}"))
+        return int(await self.client.xtrim(stream, minid=f"{ms}-{seq}"))
 
     async def forget_idle_consumers(self, idle_ms: int) -> int:
-        """Delete consumers of the group that hold nothing and were idle this long."""
-        try:
-            consumers = await self.client.xinfo_consumers(self.keys.jobs, CONSUMER_GROUP)
-        except ResponseError as exc:
-            if _no_stream(exc):
-                return 0
-            raise
-        gone = 0
-        for consumer in consumers:
-            name = consumer["name"]
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != self.consumer and not consumer["pending"] and consumer["idle"] > idle_ms:
-                await self.client.xgroup_delconsumer(self.keys.jobs, CONSUMER_GROUP, name)
-                await self.client.hdel(self.keys.commits, name)
-                gone += 1
-        return gone
+        """Delete consumers that hold nothing in any lane and were idle this long in each
+        lane's group, and their commit markers; returns how many."""
+        seen: dict[str, bool] = {}  # consumer name: whether it may go
+        for stream in self.streams:
+            try:
+                consumers = await self.client.xinfo_consumers(stream, CONSUMER_GROUP)
+            except ResponseError as exc:
+                if _no_stream(exc):
+                    continue
+                raise
+            for consumer in consumers:
+                name = _text(consumer["name"])
+                idle = not consumer["pending"] and consumer["idle"] > idle_ms
+                seen[name] = seen.get(name, True) and idle and name != self.consumer
+        gone = [name for name, may_go in seen.items() if may_go]
+        for name in gone:
+            for stream in self.streams:
+                with contextlib.suppress(ResponseError):
+                    await self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, name)
+            await self.client.hdel(self.keys.commits, name)
+        return len(gone)
 
     async def cancel_requests(self) -> AsyncIterator[str]:
         """Job ids as cancellation requests arrive on the queue's cancel channel."""

@@ -14,57 +14,86 @@ from exlq.protocol.batch_script import per_job_script
 # 'claim'), up to ARGV[4] entries, for consumer ARGV[3] of group ARGV[2]; ARGV[5]: the
 # longest payload that comes back whole. A longer one comes back as its first ARGV[7]
 # bytes and its last ARGV[9]: the worker refuses it by its size, and never holds the rest.
-# KEYS[1] is the jobs stream. Returns the next cursor ('0-0' for a read), then for each
-# entry its id, payload (nil without a 'job' field), 'more' field, the payload's full size,
-# and the tail of a payload cut to its head (else nil).
+# KEYS are the queue's lane streams. A claim takes from KEYS[1]. A read follows its plan
+# (worker/lanes.py): from ARGV[10] on, pairs of a stream's index in KEYS and the most that
+# stream may bring in this read, counting the plan's earlier steps on it. Returns the next
+# cursor ('0-0' for a read), then for each entry its stream's index, its id, payload (nil
+# without a 'job' field), 'more' field, the payload's full size, and the tail of a payload
+# cut to its head (else nil).
 TAKE_LUA = """
-local reply, cursor, entries
-if ARGV[1] == 'read' then
-  reply = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4],
-                     'STREAMS', KEYS[1], '>')
-  cursor, entries = '0-0', reply and reply[1][2] or {}
-else
-  reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[8], ARGV[6],
-                     'COUNT', ARGV[4])
-  cursor, entries = reply[1], reply[2]
-end
+local total = tonumber(ARGV[4])
 local limit, head = tonumber(ARGV[5]), tonumber(ARGV[7])
-local out = {cursor}
-for _, e in ipairs(entries) do
-  -- Redis 6.2's XAUTOCLAIM reports an entry deleted while pending as nil (false here).
-  if e then
-    local job, more, size, tail = false, '0', -1, false
-    local fields = e[2] or {}
-    for i = 1, #fields, 2 do
-      if fields[i] == 'job' then job = fields[i + 1]
-      elseif fields[i] == 'more' then more = fields[i + 1] end
-    end
-    if job then
-      size = #job
-      if size > limit then
-        tail = string.sub(job, -tonumber(ARGV[9]))
-        job = string.sub(job, 1, head)
+local out = {'0-0'}
+local function keep(lane, entries)
+  for _, e in ipairs(entries) do
+    -- Redis 6.2's XAUTOCLAIM reports an entry deleted while pending as nil (false here).
+    if e then
+      local job, more, size, tail = false, '0', -1, false
+      local fields = e[2] or {}
+      for i = 1, #fields, 2 do
+        if fields[i] == 'job' then job = fields[i + 1]
+        elseif fields[i] == 'more' then more = fields[i + 1] end
       end
+      if job then
+        size = #job
+        if size > limit then
+          tail = string.sub(job, -tonumber(ARGV[9]))
+          job = string.sub(job, 1, head)
+        end
+      end
+      out[#out + 1] = lane
+      out[#out + 1] = e[1]
+      out[#out + 1] = job
+      out[#out + 1] = more
+      out[#out + 1] = size
+      out[#out + 1] = tail
     end
-    out[#out + 1] = e[1]
-    out[#out + 1] = job
-    out[#out + 1] = more
-    out[#out + 1] = size
-    out[#out + 1] = tail
+  end
+  return #entries
+end
+if ARGV[1] == 'claim' then
+  local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[8], ARGV[6],
+                           'COUNT', total)
+  out[1] = reply[1]
+  keep(1, reply[2])
+  return out
+end
+local taken, by_lane = 0, {}
+for i = 10, #ARGV, 2 do
+  local lane, cap = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  local count = math.min(cap - (by_lane[lane] or 0), total - taken)
+  if count > 0 then
+    local reply = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', count,
+                             'STREAMS', KEYS[lane], '>')
+    local got = reply and keep(lane, reply[1][2]) or 0
+    taken = taken + got
+    by_lane[lane] = (by_lane[lane] or 0) + got
   end
 end
 return out
 """
 
-# Whether consumer ARGV[2] of group ARGV[1] still owns an entry of stream KEYS[1]: 'mine',
-# 'taken' (another worker's now) or 'gone' (pending for nobody: acked, or the stream or
-# its group lost, say by a Redis restart without persistence).
+# An entry as a worker names it (keys.entry_ref): '<id>' in the interactive lane's stream,
+# KEYS[1], and '<id>@batch' in the batch lane's, the key at index BATCH_KEY. The stream and
+# the id in it.
+_ENTRY_LUA = """
+local function stream_of(entry)
+  local at = string.find(entry, '@', 1, true)
+  if at then return KEYS[BATCH_KEY], string.sub(entry, 1, at - 1) end
+  return KEYS[1], entry
+end
+"""
+
+# Whether consumer ARGV[2] of group ARGV[1] still owns an entry: 'mine', 'taken' (another
+# worker's now) or 'gone' (pending for nobody: acked, or the stream or its group lost, say
+# by a Redis restart without persistence).
 _OWNER_LUA = """
 local owners = {}
 local function owner(entry)
   local known = owners[entry]
   if known then return known end
-  local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
+  local stream, id = stream_of(entry)
+  local ok, pending = pcall(redis.call, 'XPENDING', stream, ARGV[1], id, id, 1)
   if not ok or pending[1] == nil then known = 'gone'
   elseif pending[1][2] == ARGV[2] then known = 'mine'
   else known = 'taken' end
@@ -74,7 +103,8 @@ end
 """
 
 # One or more engine steps' writes. KEYS: jobs stream, dead stream, the queue's commit
-# markers (a hash: one field per worker), then the result and job keys of each final that
+# markers (a hash: one field per worker), the batch lane's stream, then the result and job
+# keys of each final that
 # names a job (its "k" is the index of its result key: every key a script touches is
 # declared, as Redis Cluster and ACLs expect). ARGV: group, consumer, result TTL, dead
 # stream cap, the lease (Redis time in ms until which no other worker can have taken this
@@ -93,7 +123,8 @@ end
 # Returns entry, reason pairs for the entries whose events or final were not written:
 # 'taken', 'gone', or 'error: ...' (a final whose writes Redis refused).
 COMMIT_LUA = (
-    _OWNER_LUA
+    _ENTRY_LUA.replace("BATCH_KEY", "4")
+    + _OWNER_LUA
     + """
 local seen = redis.call('HGET', KEYS[3], ARGV[2])
 if seen then
@@ -149,7 +180,10 @@ local function write(f)
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(f.dead))
   end
   if f.event then redis.call('PUBLISH', f.channel, f.event) end
-  if not f.noack then redis.call('XACK', KEYS[1], ARGV[1], f.entry) end
+  if not f.noack then
+    local stream, id = stream_of(f.entry)
+    redis.call('XACK', stream, ARGV[1], id)
+  end
 end
 for _, f in ipairs(finals) do
   local ok, err = pcall(write, f)
@@ -167,18 +201,20 @@ return lost
 # back from its new owner. The start script gives a job's hash the result TTL; a run longer
 # than that would lose the hash mid-run, and with it the cancel flag and the count of
 # attempts (a retry would count from 1 again, and subscribers would drop its events as an
-# earlier attempt's). KEYS[1] is the jobs stream, KEYS[1 + i] job i's hash; ARGV: group,
-# consumer, state TTL, then entry i at ARGV[3 + i]. Returns entry, reason pairs ('taken'
-# or 'gone') for the entries not renewed.
+# earlier attempt's). KEYS[1] is the jobs stream, KEYS[2] the batch lane's, KEYS[2 + i] job
+# i's hash; ARGV: group, consumer, state TTL, then entry i at ARGV[3 + i]. Returns entry,
+# reason pairs ('taken' or 'gone') for the entries not renewed.
 RENEW_LUA = (
-    _OWNER_LUA
+    _ENTRY_LUA.replace("BATCH_KEY", "2")
+    + _OWNER_LUA
     + """
 local lost = {}
 for i = 4, #ARGV do
   local why = owner(ARGV[i])
   if why == 'mine' then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    redis.call('EXPIRE', KEYS[i - 2], ARGV[3])
+    local stream, id = stream_of(ARGV[i])
+    redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id, 'JUSTID')
+    redis.call('EXPIRE', KEYS[i - 1], ARGV[3])
   else
     lost[#lost + 1] = ARGV[i]
     lost[#lost + 1] = why

@@ -79,16 +79,16 @@ class Batch:
         )
 
     def encode(self, keys: QueueKeys) -> tuple[list[str], bytes]:
-        """The script's KEYS after the jobs stream, dead stream and marker, and its batch
-        argument (JSON, by pydantic's writer: faster than json.dumps for a step's token
-        events)."""
+        """The script's KEYS after the jobs stream, dead stream, marker and batch lane's
+        stream, and its batch argument (JSON, by pydantic's writer: faster than json.dumps
+        for a step's token events)."""
         script_keys: list[str] = []
         finals = []
         for f in self.finals:
             # Absent, never null: cjson decodes null to a value Lua treats as true.
             final: dict[str, Any] = {"entry": f.entry_id}
             if f.job_id is not None:
-                final["k"] = len(script_keys) + 4  # after the three fixed keys; Lua counts from 1
+                final["k"] = len(script_keys) + 5  # after the four fixed keys; Lua counts from 1
                 script_keys += [keys.result(f.job_id), keys.job(f.job_id)]
             for name, value in (
                 ("state", f.state),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -13,6 +13,8 @@ from prometheus_client import (
     Info,
     make_wsgi_app,
 )
+
+from exlq.protocol.keys import LANES, Lane
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2)
@@ -42,22 +44,46 @@ class Metrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, q, buckets=buckets, registry=r).labels(queue)
 
-        self._received = counter("exlq_jobs_received", "Jobs taken from the stream.")
+        # Series of each priority lane, bound once (keys.LANES).
+        def by_lane(collector: Counter | Gauge | Histogram) -> dict[Lane, Any]:
+            return {lane: collector.labels(queue, lane) for lane in LANES}
+
+        ql = [*q, "lane"]
+        self._received: dict[Lane, Counter] = by_lane(
+            Counter("exlq_jobs_received", "Jobs taken from the stream.", ql, registry=r)
+        )
         self._completed = Counter(
-            "exlq_jobs_completed", "Jobs that ended normally.", [*q, "finish_reason"], registry=r
+            "exlq_jobs_completed",
+            "Jobs that ended normally.",
+            [*ql, "finish_reason"],
+            registry=r,
         )
         self._failed = Counter(
             "exlq_jobs_failed", "Jobs that ended in an error.", [*q, "error_type"], registry=r
         )
         self._requeued = counter("exlq_jobs_requeued", "Jobs taken over from a dead worker.")
         self._dead = counter("exlq_jobs_dead_lettered", "Entries moved to the dead stream.")
-        self._running = gauge("exlq_jobs_running", "Jobs this worker holds.")
-        self._capacity = gauge("exlq_batch_capacity", "Jobs this worker can run at once.")
-        self._queue_wait = histogram(
-            "exlq_queue_wait_seconds", "Enqueue to start.", _WAIT_BUCKETS_S
+        self._running: dict[Lane, Gauge] = by_lane(
+            Gauge("exlq_jobs_running", "Jobs this worker holds.", ql, registry=r)
         )
-        self._ttft = histogram(
-            "exlq_time_to_first_token_seconds", "Enqueue to first token.", _LATENCY_BUCKETS_S
+        self._capacity = gauge("exlq_batch_capacity", "Jobs this worker can run at once.")
+        self._queue_wait: dict[Lane, Histogram] = by_lane(
+            Histogram(
+                "exlq_queue_wait_seconds",
+                "Enqueue to start.",
+                ql,
+                buckets=_WAIT_BUCKETS_S,
+                registry=r,
+            )
+        )
+        self._ttft: dict[Lane, Histogram] = by_lane(
+            Histogram(
+                "exlq_time_to_first_token_seconds",
+                "Enqueue to first token.",
+                ql,
+                buckets=_LATENCY_BUCKETS_S,
+                registry=r,
+            )
         )
         self._itl = histogram(
             "exlq_inter_token_latency_seconds", "Time between tokens of a job.", _ITL_BUCKETS_S
@@ -86,11 +112,11 @@ class Metrics:
         labels = {**engine_info, "version": version, "engine": engine, "model": model}
         self._info.labels(self._queue).info(labels)
 
-    def job_received(self) -> None:
-        self._received.inc()
+    def job_received(self, lane: Lane = "interactive") -> None:
+        self._received[lane].inc()
 
-    def job_completed(self, finish_reason: str) -> None:
-        self._completed.labels(self._queue, finish_reason).inc()
+    def job_completed(self, finish_reason: str, lane: Lane = "interactive") -> None:
+        self._completed.labels(self._queue, lane, finish_reason).inc()
 
     def job_failed(self, error_type: str) -> None:
         self._failed.labels(self._queue, error_type).inc()
@@ -101,17 +127,18 @@ class Metrics:
     def dead_lettered(self) -> None:
         self._dead.inc()
 
-    def set_running(self, jobs: int) -> None:
-        self._running.set(jobs)
+    def set_running(self, by_lane: Mapping[Lane, int]) -> None:
+        for lane, gauge in self._running.items():
+            gauge.set(by_lane.get(lane, 0))
 
     def set_capacity(self, jobs: int) -> None:
         self._capacity.set(jobs)
 
-    def observe_queue_wait(self, seconds: float) -> None:
-        self._queue_wait.observe(seconds)
+    def observe_queue_wait(self, seconds: float, lane: Lane = "interactive") -> None:
+        self._queue_wait[lane].observe(seconds)
 
-    def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+    def observe_ttft(self, seconds: float, lane: Lane = "interactive") -> None:
+        self._ttft[lane].observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)

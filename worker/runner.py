@@ -43,6 +43,7 @@ from exlq.worker.job_state import (
     Piece,
     Stage,
 )
+from exlq.worker.lanes import TakePlan, count_by_lane
 from exlq.worker.metrics import Metrics
 from exlq.worker.running_job import RunningJob
 from exlq.worker.settings import WorkerSettings
@@ -81,6 +82,7 @@ class Worker:
         self.metrics = metrics
         self.limits = settings.limits
         self.capacity = engine.capacity
+        self.lanes = settings.lane_policy(self.capacity)
         self.jobs = JobBook(engine)
         self.exit_code = EXIT_OK
         self.clock_offset_s = 0.0
@@ -101,9 +103,9 @@ class Worker:
         # (entries_lost) waits for a commit in flight, whose batch may hold that job's
         # last tokens, so that nothing of the job follows the news.
         self._writing = asyncio.Lock()
-        # Token chunks published, for their metrics: (enqueued at, the job's token before
+        # Token chunks published, for their metrics: (the job, its token before
         # this one, this one's time, the chunk).
-        self._tokens_seen: list[tuple[float, float | None, float, TokenChunk]] = []
+        self._tokens_seen: list[tuple[RunningJob, float | None, float, TokenChunk]] = []
 
     @property
     def ready(self) -> bool:
@@ -112,6 +114,11 @@ class Worker:
     @property
     def free_slots(self) -> int:
         return self.capacity - self.jobs.held
+
+    def take_plan(self, slots: int) -> TakePlan:
+        """The read for ``slots`` of the free slots, by lane (worker/lanes.py)."""
+        running = count_by_lane(job.lane for job in self.jobs.jobs_in(HELD))
+        return self.lanes.plan(slots, running)
 
     @property
     def held(self) -> dict[str, RunningJob]:
@@ -190,7 +197,8 @@ class Worker:
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                 continue
             try:
-                read = await self.broker.read(self.free_slots, self.settings.broker.read_block_ms)
+                plan = self.take_plan(self.free_slots)
+                read = await self.broker.read(plan, self.settings.broker.read_block_ms)
                 if read.entries:
                     # Redis answers a read with every entry that has landed, up to its
                     # count. One that stopped at its count (or waited, and brought the first
@@ -265,7 +273,7 @@ class Worker:
         """Parse each entry: a bad one is settled into ``batch``, a good one joins the
         piece, which offers it to the engine."""
         for entry in entries:
-            self.metrics.job_received()
+            self.metrics.job_received(entry.lane)
             try:
                 request = self._decode(entry)
             except InvalidRequest as exc:
@@ -334,7 +342,8 @@ class Worker:
             wait_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
             if wait_ms < 1:  # BLOCK 0 would wait for ever
                 return None
-        return await started_task(self.broker.read(room, wait_ms), name="exlq-burst-read")
+        read = self.broker.read(self.take_plan(room), wait_ms)
+        return await started_task(read, name="exlq-burst-read")
 
     async def _start_piece(self, batch: Batch, piece: Piece) -> None:
         """Run the start script for the piece's jobs; settle those it refuses (into
@@ -362,7 +371,7 @@ class Worker:
         """Run the job, or settle it here as its verdict says."""
         stage = self._judge(batch, piece, job, decision, now)
         if stage is RUNNING:
-            self.metrics.observe_queue_wait(job.started_at - job.enqueued_at)
+            self.metrics.observe_queue_wait(job.started_at - job.enqueued_at, job.lane)
             piece.run(job)
         else:
             piece.settle(job, stage)
@@ -575,7 +584,7 @@ class Worker:
         lost = job.stage is LOST
         if isinstance(output, TokenChunk):
             if not lost:
-                self._tokens_seen.append((job.enqueued_at, job.last_token_at, now, output))
+                self._tokens_seen.append((job, job.last_token_at, now, output))
                 batch.publish(job.channel, job.token_event(output, now), job.entry_id)
             return
         self.jobs.end(job)
@@ -590,10 +599,10 @@ class Worker:
     def _observe_tokens(self) -> None:
         """The token metrics of the chunks taken since the last call."""
         seen, self._tokens_seen = self._tokens_seen, []
-        for enqueued_at, previous, now, chunk in seen:
+        for job, previous, now, chunk in seen:
             self.metrics.add_generated_tokens(len(chunk.token_ids))
             if previous is None:
-                self.metrics.observe_ttft(now - enqueued_at)
+                self.metrics.observe_ttft(now - job.enqueued_at, job.lane)
             elif chunk.token_ids:
                 gap = (now - previous) / len(chunk.token_ids)
                 for _ in chunk.token_ids:
@@ -611,7 +620,7 @@ class Worker:
                 event_json=event_json,
             )
         )
-        self.metrics.job_completed(job.stop_reason or ended.finish_reason)
+        self.metrics.job_completed(job.stop_reason or ended.finish_reason, job.lane)
         self.metrics.observe_duration(now - job.enqueued_at)
         self.metrics.add_prompt_tokens(ended.prompt_tokens, ended.cached_tokens)
 
@@ -720,7 +729,7 @@ class Worker:
     # -- state ---------------------------------------------------------------------------
 
     def _note_held(self) -> None:
-        self.metrics.set_running(self.jobs.held)
+        self.metrics.set_running(count_by_lane(job.lane for job in self.jobs.jobs_in(HELD)))
 
     def set_redis_ok(self, ok: bool) -> None:
         if ok != self._redis_ok:

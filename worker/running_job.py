@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from exlq.protocol.keys import Lane, split_entry_ref
 from exlq.protocol.models import (
     DoneEvent,
     ErrorEvent,
@@ -26,7 +27,7 @@ from exlq.worker.job_state import Stage
 @dataclass(slots=True, eq=False)
 class RunningJob:
     job_id: str
-    entry_id: str
+    entry_id: str  # with its lane (keys.entry_ref)
     request: GenerationRequest
     channel: str
     enqueued_at: float  # this host's clock
@@ -44,6 +45,11 @@ class RunningJob:
     # Set when the worker, not the engine, chose to stop the job (deadline passed).
     stop_reason: FinishReason | None = None
     lost_announced: bool = False  # its subscribers heard that Redis lost it
+
+    @property
+    def lane(self) -> Lane:
+        """The priority lane whose stream holds the job's entry."""
+        return split_entry_ref(self.entry_id)[1]
 
     def _next_seq(self) -> int:
         seq = self.seq

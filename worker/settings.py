@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exlq.protocol.keys import DEFAULT_PREFIX, check_name
 from exlq.worker.engines.registry import EngineSpec, LoadRequest, find
+from exlq.worker.lanes import LanePolicy
 from exlq.worker.limits import RequestLimits
 
 EngineRunnerChoice = Literal["process", "thread"]
@@ -76,6 +77,20 @@ class ServingSettings(BaseSettings):
         "process",
         description="run the engine in a process of its own, or on a thread of the worker's "
         "(slower: the engine's step then shares the interpreter lock with Redis I/O)",
+    )
+    batch_min_slots: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="slots the batch lane may always use, however busy the interactive lane "
+        "is: while batch jobs wait, at least this many run (worker/lanes.py)",
+    )
+    interactive_reserved_slots: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="slots the batch lane leaves free for interactive jobs, so that one "
+        "arriving during a batch starts at once; default: an eighth of max_batch_size",
     )
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(9400, ge=0, le=65535, description="0 picks a free port")
@@ -144,6 +159,13 @@ class WorkerSettings:
             resolved = model.resolve()
             return resolved.stem if resolved.is_file() else resolved.name
         return "default"
+
+    def lane_policy(self, capacity: int) -> LanePolicy:
+        """How a worker of ``capacity`` slots shares them between the priority lanes."""
+        reserved = self.serving.interactive_reserved_slots
+        if reserved is None:
+            reserved = capacity // 8
+        return LanePolicy(capacity, self.serving.batch_min_slots, min(reserved, capacity))
 
     def load_request(self) -> LoadRequest:
         """What the engine is built from."""

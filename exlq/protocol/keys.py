@@ -17,6 +17,21 @@ _NAME_RE = re.compile(NAME_PATTERN)
 # never starved). A job's lane is the stream it was added to.
 Lane = Literal["interactive", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "batch")
+# A job's hash names its entry as ``<entry id>`` in the interactive lane and ``<entry
+# id>@<lane>`` in another, so that an entry is known by one string across the lanes' streams
+# (two streams can hold the same id).
+LANE_MARK = "@"
+
+
+def entry_ref(entry_id: str, lane: Lane) -> str:
+    """The name of stream entry ``entry_id`` of ``lane``, as job hashes and workers hold it."""
+    return entry_id if lane == "interactive" else f"{entry_id}{LANE_MARK}{lane}"
+
+
+def split_entry_ref(ref: str) -> tuple[str, Lane]:
+    """The stream entry id and the lane of an entry's name (``entry_ref``'s inverse)."""
+    entry_id, mark, lane = ref.partition(LANE_MARK)
+    return (entry_id, "batch") if mark and lane == "batch" else (entry_id, "interactive")
 
 
 def check_name(kind: str, value: str) -> str:

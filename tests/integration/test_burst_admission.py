@@ -19,6 +19,7 @@ from exlq.protocol.models import GenerationRequest, JobResult
 from exlq.worker.broker import Broker, Read, StreamEntry
 from exlq.worker.engines.base import EngineOutput
 from exlq.worker.engines.echo.engine import EchoEngine
+from exlq.worker.lanes import TakePlan
 
 pytestmark = pytest.mark.integration
 
@@ -49,10 +50,10 @@ def _log_reads_and_parses(
     log: list[str] = []
     real_read, real_decode = Broker.read, Worker._decode
 
-    async def read(self: Broker, count: int, block_ms: int | None) -> Read:
+    async def read(self: Broker, plan: TakePlan, block_ms: int | None) -> Read:
         blocked = block_ms is not None and not by_id
-        log.append(f"blocked read of {count} sent" if blocked else "read sent")
-        done = await real_read(self, count, block_ms)
+        log.append(f"blocked read of {plan.total} sent" if blocked else "read sent")
+        done = await real_read(self, plan, block_ms)
         entries = done.entries
         if by_id:
             log.extend(f"read {json.loads(e.payload or b'{}')['id']}" for e in entries)

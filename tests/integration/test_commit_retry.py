@@ -50,7 +50,8 @@ async def test_the_token_metrics_count_every_token_of_every_job(
         results = [await h.result(timeout=20) for h in handles]
     assert [r.usage.completion_tokens for r in results if r.usage] == [6, 6, 6]
     assert value("exlq_generated_tokens_total", labels) == 18
-    assert value("exlq_time_to_first_token_seconds_count", labels) == 3
+    lane = {**labels, "lane": "interactive"}
+    assert value("exlq_time_to_first_token_seconds_count", lane) == 3
     assert value("exlq_inter_token_latency_seconds_count", labels) == 15
-    ttft_sum = value("exlq_time_to_first_token_seconds_sum", labels)
+    ttft_sum = value("exlq_time_to_first_token_seconds_sum", lane)
     assert ttft_sum is not None and 0 < ttft_sum < 3 * 10

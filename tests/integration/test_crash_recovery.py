@@ -85,7 +85,9 @@ async def test_a_job_longer_than_the_claim_idle_time_is_not_rerun(
     assert not any(e.type == "requeued" for e in events)
     assert result.attempts == 1
     served = [
-        w.metrics.registry.get_sample_value("exlq_jobs_received_total", {"queue": queue_name})
+        w.metrics.registry.get_sample_value(
+            "exlq_jobs_received_total", {"queue": queue_name, "lane": "interactive"}
+        )
         for w in (first, second)
     ]
     assert sorted(served) == [0.0, 1.0]

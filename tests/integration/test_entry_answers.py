@@ -16,6 +16,7 @@ from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys
 from exlq.protocol.models import ErrorEvent, Event, parse_event
 from exlq.worker.broker import Broker
 from exlq.worker.commit_batch import Batch, Final
+from exlq.worker.lanes import TakePlan
 from tests.conftest import RunningWorker
 
 pytestmark = pytest.mark.integration
@@ -212,8 +213,8 @@ async def test_an_entry_with_several_finals_is_acked_once_by_its_last(
         await broker.ensure_group()
         await redis_client.xadd(keys.jobs, {"job": "{}"})
         await redis_client.xadd(keys.jobs, {"job": "{}"})
-        [mine] = (await broker.read(1, None)).entries
-        [theirs] = (await other.read(1, None)).entries
+        [mine] = (await broker.read(TakePlan.any_lane(1), None)).entries
+        [theirs] = (await other.read(TakePlan.any_lane(1), None)).entries
         batch = Batch()
         for entry in (mine, theirs):
             for job_id, ack in ((f"{entry.entry_id}-a", False), (f"{entry.entry_id}-b", True)):

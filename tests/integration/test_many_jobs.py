@@ -73,7 +73,8 @@ async def test_two_workers_serve_200_jobs_exactly_once(
     assert len(peak_pending) == 2
     served = [
         w.metrics.registry.get_sample_value(
-            "exlq_jobs_completed_total", {"queue": queue_name, "finish_reason": "length"}
+            "exlq_jobs_completed_total",
+            {"queue": queue_name, "lane": "interactive", "finish_reason": "length"},
         )
         or 0
         for w in workers

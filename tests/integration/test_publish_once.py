@@ -107,12 +107,15 @@ async def test_a_batch_over_one_calls_size_goes_as_several_calls_in_order(
     from exlq.protocol.keys import QueueKeys
     from exlq.worker.broker import Broker
     from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
+    from exlq.worker.lanes import TakePlan
 
     keys = QueueKeys(queue_name)
     broker = Broker.from_url(redis_url, keys, "big-writer", result_ttl_s=60, dead_max_len=10)
     await broker.ensure_group()
     await redis_client.xadd(keys.jobs, {"job": "{}"})
-    [entry] = (await broker.read(1, None)).entries  # its events are this worker's to publish
+    [entry] = (
+        await broker.read(TakePlan.any_lane(1), None)
+    ).entries  # its events are this worker's to publish
     script = broker._commit
     calls: list[int] = []
 

@@ -31,7 +31,7 @@ async def test_jobs_run_after_every_script_is_flushed(
     # read them, not by the stream's length: the worker's first trim, at its start, may
     # come after the first job's end and take its entry.
     received = running.metrics.registry.get_sample_value(
-        "exlq_jobs_received_total", {"queue": queue_name}
+        "exlq_jobs_received_total", {"queue": queue_name, "lane": "interactive"}
     )
     assert received == 4
     assert await redis_client.xlen(QueueKeys(queue_name).jobs) in (3, 4)

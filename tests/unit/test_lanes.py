@@ -1,0 +1,53 @@
+"""How a worker shares its free slots between the priority lanes (worker/lanes.py)."""
+
+from __future__ import annotations
+
+from exlq.protocol.keys import QueueKeys, entry_ref, split_entry_ref
+from exlq.worker.lanes import LanePolicy, TakePlan, count_by_lane
+
+
+def test_interactive_jobs_take_every_free_slot_once_the_batch_minimum_runs() -> None:
+    policy = LanePolicy(capacity=8, batch_min_slots=1, interactive_reserved_slots=1)
+    plan = policy.plan(4, {"interactive": 3, "batch": 1})
+    assert plan.total == 4
+    assert plan.steps[0] == ("interactive", 4)
+
+
+def test_a_batch_lane_below_its_minimum_comes_first_up_to_the_shortfall() -> None:
+    policy = LanePolicy(capacity=8, batch_min_slots=3, interactive_reserved_slots=1)
+    plan = policy.plan(5, {"interactive": 2, "batch": 1})
+    assert plan.steps[:2] == (("batch", 2), ("interactive", 5))
+
+
+def test_the_batch_lane_leaves_the_reserved_slots_free() -> None:
+    policy = LanePolicy(capacity=8, batch_min_slots=1, interactive_reserved_slots=2)
+    # 5 batch jobs run: the batch lane may fill one more slot, never the last two.
+    assert policy.plan(3, {"interactive": 0, "batch": 5}).steps[-1] == ("batch", 1)
+    assert policy.plan(2, {"interactive": 0, "batch": 6}).steps[-1] == ("batch", 0)
+
+
+def test_the_batch_minimum_holds_against_the_reserve() -> None:
+    policy = LanePolicy(capacity=2, batch_min_slots=2, interactive_reserved_slots=2)
+    plan = policy.plan(2, {"interactive": 0, "batch": 0})
+    assert plan.steps[0] == ("batch", 2)
+    assert plan.steps[-1] == ("batch", 2)
+
+
+def test_a_read_with_one_free_slot_waits_on_the_interactive_lane_first() -> None:
+    policy = LanePolicy(capacity=4, batch_min_slots=1, interactive_reserved_slots=0)
+    plan = policy.plan(1, {"interactive": 3, "batch": 0})
+    assert plan.steps[0] == ("batch", 1)  # a batch job waiting is taken first...
+    assert plan.lanes() == ["interactive", "batch"]  # ...but a wait watches interactive first
+    assert plan.less(1).total == 0
+
+
+def test_entry_names_carry_their_lane_and_the_batch_lane_has_its_own_stream() -> None:
+    assert entry_ref("17-0", "interactive") == "17-0"
+    assert entry_ref("17-0", "batch") == "17-0@batch"
+    assert split_entry_ref("17-0@batch") == ("17-0", "batch")
+    assert split_entry_ref("17-0") == ("17-0", "interactive")
+    keys = QueueKeys("q")
+    assert keys.lane_jobs("interactive") == keys.jobs
+    assert keys.lane_jobs("batch") == "exlq:{q}:jobs:batch"
+    assert count_by_lane(["batch", "batch", "interactive"]) == {"interactive": 1, "batch": 2}
+    assert TakePlan.any_lane(3).lanes() == ["interactive", "batch"]

@@ -1,0 +1,81 @@
+"""Priority lanes: how a worker shares its free slots between a queue's lanes.
+
+Each lane of a queue is a stream of its own (keys.QueueKeys.lane_jobs), read through the
+same consumer group. A read fills free slots from the interactive lane first and gives the
+batch lane what is left, with two bounds an operator sets:
+
+- ``batch_min_slots``: the batch lane may always run this many jobs, however busy the
+  interactive lane is. It is the starvation bound: while batch jobs wait, at least this many
+  run, so a batch always progresses (at no less than this share of the worker).
+- ``interactive_reserved_slots``: the batch lane never fills the last this many slots, so an
+  interactive job that arrives while a batch runs finds a free slot at once instead of
+  waiting for a batch job to end.
+
+A read is a plan: (lane, cap) steps in order, taken by one script (broker_scripts.TAKE_LUA)
+up to the free slots in all. Where the batch lane runs fewer than its minimum, it comes
+first, up to the shortfall; then the interactive lane, up to every free slot; then the batch
+lane again, up to what the reserve leaves it.
+
+A read that finds both lanes empty waits on both, or on the interactive lane alone when it
+has one free slot (a wait on two streams can bring an entry from each). So a worker with one
+free slot starts a batch job that lands while it waits only after the wait ends
+(``read_block_ms``): a batch job waits at most that much longer, an interactive one never.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from exlq.protocol.keys import LANES, Lane
+
+
+@dataclass(frozen=True, slots=True)
+class TakePlan:
+    """What one read may take: at most ``total`` entries; per step, a lane and the most that
+    lane may bring in this read counting its earlier steps."""
+
+    total: int
+    steps: tuple[tuple[Lane, int], ...]
+
+    @classmethod
+    def any_lane(cls, total: int) -> TakePlan:
+        """Up to ``total`` entries, from the lanes in priority order, with no other bound."""
+        return cls(total, tuple((lane, total) for lane in LANES))
+
+    def lanes(self) -> list[Lane]:
+        """The lanes the plan can take from, highest first: a read that finds nothing waits
+        on these, on as many as it has slots for."""
+        return [lane for lane in LANES if any(cap > 0 for on, cap in self.steps if on == lane)]
+
+    def less(self, taken: int) -> TakePlan:
+        """The plan for the rest of a read that has taken ``taken`` entries already."""
+        return TakePlan(max(self.total - taken, 0), self.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class LanePolicy:
+    capacity: int
+    batch_min_slots: int
+    interactive_reserved_slots: int
+
+    def plan(self, free_slots: int, running: Mapping[Lane, int]) -> TakePlan:
+        """The read for ``free_slots`` slots, with ``running`` jobs held per lane."""
+        batch_running = running.get("batch", 0)
+        shortfall = max(self.batch_min_slots - batch_running, 0)
+        # The batch lane's room beside the interactive reserve, never under its minimum.
+        room = self.capacity - self.interactive_reserved_slots - batch_running
+        batch_cap = max(room, shortfall, 0)
+        steps: list[tuple[Lane, int]] = []
+        if shortfall:
+            steps.append(("batch", min(shortfall, free_slots)))
+        steps.append(("interactive", free_slots))
+        steps.append(("batch", min(batch_cap, free_slots)))
+        return TakePlan(free_slots, tuple(steps))
+
+
+def count_by_lane(lanes: Iterable[Lane]) -> dict[Lane, int]:
+    counts: dict[Lane, int] = dict.fromkeys(LANES, 0)
+    for lane in lanes:
+        counts[lane] += 1
+    return counts
