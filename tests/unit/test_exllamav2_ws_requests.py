@@ -120,8 +120,8 @@ def test_other_banned_ids_are_refused(
 def test_settings_exlq_lacks_are_refused_unless_off(extra: dict[str, Any], name: str) -> None:
     with pytest.raises(UnsupportedSetting, match=name):
         fields(**extra)
-    off = {name: False if name == "token_healing" else 0}
-    fields(**off)
+    off: dict[str, Any] = {name: False if name == "token_healing" else 0}
+    fields(frozenset(), **off)
 
 
 def test_keys_exllamav2_ignores_are_ignored() -> None:

@@ -62,7 +62,7 @@ def test_a_folder_without_eos_id_has_none(folder: Path) -> None:
 
 
 def test_a_folder_without_tokenizer_json_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no tokenizer.json"):
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
         ModelTokenizer.load(tmp_path)
 
 
