@@ -9,7 +9,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
@@ -81,6 +81,17 @@ async def until_full(ws: ClientConnection, count: int = 1) -> list[Message]:
         seen.append(await receive(ws))
         ends += seen[-1].get("response_type") in ("full", "error")
     return seen
+
+
+async def only_job(redis_client: aioredis.Redis, queue_name: str) -> Message:
+    """The request of the one job the queue's stream holds."""
+    entries = cast(
+        "list[tuple[bytes, dict[bytes, bytes]]]",
+        await redis_client.xrange(QueueKeys(queue_name).jobs),
+    )
+    ((_, fields),) = entries
+    job: Message = json.loads(fields[b"job"])
+    return job
 
 
 def infer(request_id: str, **extra: Any) -> Message:
@@ -171,8 +182,7 @@ async def test_sampling_settings_reach_the_job(
     async with connect(await gateway()) as ws:
         await send(ws, infer("r1", top_k=0, top_p=0.0, temperature=0.0, rep_pen=1.1))
         await until_full(ws)
-    ((_, entry),) = await redis_client.xrange(QueueKeys(queue_name).jobs)
-    job = json.loads(entry[b"job"])
+    job = await only_job(redis_client, queue_name)
     assert job["prompt"] == PROMPT and job["max_new_tokens"] == 6
     assert job["sampling"]["top_k"] == 0 and job["sampling"]["top_p"] == 1.0
     assert job["sampling"]["temperature"] == 0.0
@@ -236,12 +246,11 @@ async def test_a_closed_connection_cancels_its_jobs(
         await send(ws, infer("long", max_new_tokens=2000))
         assert (await receive(ws))["response_type"] == "chunk"
     keys = QueueKeys(queue_name)
-    ((_, entry),) = await redis_client.xrange(keys.jobs)
-    job_id = json.loads(entry[b"job"])["id"]
+    job_id = (await only_job(redis_client, queue_name))["id"]
     async with asyncio.timeout(10):
         while await redis_client.hget(keys.job(job_id), "state") != b"cancelled":
             await asyncio.sleep(0.02)
-    result = json.loads(await redis_client.get(keys.result(job_id)))
+    result = json.loads(cast("bytes", await redis_client.get(keys.result(job_id))))
     assert result["finish_reason"] == "cancelled"
 
 
@@ -315,7 +324,7 @@ async def test_bad_input_is_answered_and_the_connection_goes_on(
         assert reply["response_type"] == "error" and reply["error_code"] == code
         assert says in reply["error"]
         if isinstance(message, dict):
-            echoed = {
+            echoed: Message = {
                 k: message[k] for k in ("action", "request_id", "response_id") if k in message
             }
             if message.get("action") == "infer" and "tag" in message:
