@@ -74,8 +74,14 @@ def websocket(
     try:
         asyncio.run(_serve_until_signal(settings))
     except ValueError as exc:
-        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
-        raise typer.Exit(1) from None
+        raise _fail(str(exc)) from None
+    except OSError as exc:  # the port is taken, the address is not this host's
+        raise _fail(f"cannot listen on {host}:{port}: {exc}") from None
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(1)
 
 
 async def _serve_until_signal(settings: WebSocketSettings) -> None:
