@@ -299,6 +299,7 @@ async def test_token_actions_without_a_tokenizer_say_to_pass_one(
     [
         ("not json {", "invalid_json", "not JSON"),
         ("[1, 2]", "invalid_json", "JSON object"),
+        ('{"action": "echo", "request_id": NaN}', "invalid_json", "NaN is not a JSON value"),
         ({"request_id": "x"}, "invalid_request", "no action"),
         ({"action": "generate", "request_id": "x"}, "unknown_action", "generate"),
         ({"action": ["echo"]}, "unknown_action", "echo"),

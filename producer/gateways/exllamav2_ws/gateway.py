@@ -142,12 +142,17 @@ class Gateway:
 def _decode(raw: str | bytes) -> dict[str, Any] | str:
     """The message as a JSON object, or a sentence that says why it is not one."""
     try:
-        request = json.loads(raw)
+        request = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         return f"the message is not JSON: {exc}"
     if not isinstance(request, dict):
         return f"the message must be a JSON object, not {type(request).__name__}"
     return request
+
+
+def _refuse_constant(name: str) -> object:
+    # Python reads NaN and Infinity, which JSON has not: an echoed id would not be JSON.
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _unknown_action(request: Message) -> Message:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -65,5 +66,4 @@ class Session:
 
     async def stop_all(self) -> None:
         """Cancel the jobs of every infer in flight on this connection."""
-        for running in list(self._running):
-            await running.stop()
+        await asyncio.gather(*(running.stop() for running in list(self._running)))
