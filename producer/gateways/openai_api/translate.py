@@ -178,6 +178,9 @@ def _message(index: int, message: ChatMessageBody) -> dict[str, str]:
             "user or assistant",
             param=f"{where}.role",
         )
+    for name in message.model_extra or {}:
+        param = f"{where}.{name}"
+        raise OpenAIError(400, f"Unrecognized request argument supplied: {param}", param=param)
     if message.tool_calls:
         raise OpenAIError(
             400, f"{where}.tool_calls: tool calls are not supported", param=f"{where}.tool_calls"
