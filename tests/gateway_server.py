@@ -55,7 +55,7 @@ def start_gateway(redis_url: str) -> Iterator[Callable[..., GatewayServer]]:
     started: list[GatewayServer] = []
 
     def start(**settings: Any) -> GatewayServer:
-        server = GatewayServer(GatewaySettings(redis_url=redis_url, **settings)).start()
+        server = GatewayServer(GatewaySettings(**{"redis_url": redis_url, **settings})).start()
         started.append(server)
         return server
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from typing import Any
 
@@ -211,3 +212,20 @@ async def test_a_client_that_leaves_a_whole_answer_cancels_its_job(
             await asking
     await _wait_for_state(redis_client, queue_name, job_id, "cancelled")
     await _the_next_job_runs(server, queue_name)
+
+
+async def test_without_redis_the_gateway_is_alive_but_not_ready(start_gateway: Any) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    server = start_gateway(redis_url=f"redis://127.0.0.1:{closed_port}/0")
+    root = server.base_url.removesuffix("/v1")
+    async with httpx2.AsyncClient(timeout=30) as http:
+        health = await http.get(f"{root}/healthz")
+        ready = await http.get(f"{root}/readyz")
+    assert health.status_code == 200
+    assert ready.status_code == 503
+    async with async_client(server) as client:
+        with pytest.raises(openai.InternalServerError) as raised:
+            await client.completions.create(model="any", prompt="x")
+    assert raised.value.status_code == 503 and raised.value.code == "redis_unavailable"
