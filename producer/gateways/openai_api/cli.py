@@ -11,36 +11,36 @@ import typer
 
 # Each flag also reads EXLQ_<NAME> (GatewaySettings); a flag given wins.
 RedisUrl = Annotated[
-    str | None, typer.Option("--redis-url", help="Redis to use [env EXLQ_REDIS_URL]")
+    str | None, typer.Option("--redis-url", help="Redis to use (env EXLQ_REDIS_URL)")
 ]
-Prefix = Annotated[str | None, typer.Option("--prefix", help="key prefix [env EXLQ_PREFIX]")]
-Host = Annotated[str | None, typer.Option("--host", help="address to listen on [env EXLQ_HOST]")]
-Port = Annotated[int | None, typer.Option("--port", help="port to listen on [env EXLQ_PORT]")]
+Prefix = Annotated[str | None, typer.Option("--prefix", help="key prefix (env EXLQ_PREFIX)")]
+Host = Annotated[str | None, typer.Option("--host", help="address to listen on (env EXLQ_HOST)")]
+Port = Annotated[int | None, typer.Option("--port", help="port to listen on (env EXLQ_PORT)")]
 KeysFile = Annotated[
     Path | None,
     typer.Option(
         "--api-keys-file",
         help="API keys, one per line ('#' starts a comment); also EXLQ_API_KEYS (comma "
-        "separated). With neither, no key is asked for [env EXLQ_API_KEYS_FILE]",
+        "separated). With neither, no key is asked for (env EXLQ_API_KEYS_FILE)",
     ),
 ]
 StaleAfter = Annotated[
     float | None,
     typer.Option(
         "--worker-stale-after-s",
-        help="a worker silent this long no longer counts as serving [env "
-        "EXLQ_WORKER_STALE_AFTER_S]",
+        help="a worker silent this long no longer counts as serving (env "
+        "EXLQ_WORKER_STALE_AFTER_S)",
     ),
 ]
 MaxBacklog = Annotated[
     int | None,
     typer.Option(
         "--max-backlog",
-        help="jobs a lane of a queue may hold before requests get 429; 0: no limit [env "
-        "EXLQ_MAX_BACKLOG]",
+        help="jobs a lane of a queue may hold before requests get 429; 0: no limit (env "
+        "EXLQ_MAX_BACKLOG)",
     ),
 ]
-LogLevel = Annotated[str | None, typer.Option("--log-level", help="[env EXLQ_LOG_LEVEL]")]
+LogLevel = Annotated[str | None, typer.Option("--log-level", help="(env EXLQ_LOG_LEVEL)")]
 # How long the start-up check waits for Redis's PONG.
 REDIS_CHECK_S = 5.0
 
