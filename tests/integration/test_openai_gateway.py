@@ -129,30 +129,29 @@ async def test_n_choices_are_n_jobs_with_seeds_and_metadata(
     assert all(job["metadata"] == {"team": "search"} for job in jobs)
 
 
-async def test_the_flex_tier_submits_to_the_batch_lane(
+async def test_the_flex_tier_runs_on_the_batch_lane(
     start_worker: Any, start_gateway: Any, queue_name: str, redis_client: aioredis.Redis
 ) -> None:
-    """The job lands in the batch lane's stream. (The client gives up at once: whether a
-    worker runs that lane is the worker's business, not the gateway's.)"""
-    await start_worker()
+    """service_tier "flex" runs the job on the batch lane: answered like any other, its
+    entry in the batch lane's stream, counted under that lane."""
+    running = await start_worker()
     server = start_gateway()
     async with async_client(server) as client:
-        asking = asyncio.ensure_future(
-            client.chat.completions.create(
-                model=queue_name,
-                messages=[{"role": "user", "content": "slow"}],
-                max_tokens=2,
-                service_tier="flex",
-            )
+        answer = await client.chat.completions.create(
+            model=queue_name,
+            messages=[{"role": "user", "content": "slow lane"}],
+            max_tokens=2,
+            service_tier="flex",
         )
-        batch_lane = QueueKeys(queue_name).lane_jobs("batch")
-        await wait_until_async(lambda: redis_client.xlen(batch_lane), 1)
-        asking.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asking
-    [(_, fields)] = await redis_client.xrange(batch_lane)
-    assert json.loads(fields[b"job"])["messages"] == [{"role": "user", "content": "slow"}]
-    assert await redis_client.xlen(QueueKeys(queue_name).jobs) == 0
+    assert answer.choices[0].message.content is not None
+    assert answer.choices[0].message.content.split() == ["slow", "lane"]
+    job_id = f"{answer.id}-0"
+    entry = await redis_client.hget(QueueKeys(queue_name).job(job_id), "entry")
+    assert entry is not None and entry.decode().endswith("@batch")
+    received = running.metrics.registry.get_sample_value(
+        "exlq_jobs_received_total", {"queue": queue_name, "lane": "batch"}
+    )
+    assert received == 1
 
 
 async def wait_until_async(read: Any, expected: Any, timeout_s: float = 10.0) -> None:
