@@ -38,7 +38,8 @@ JobKey = tuple[int, int]  # (line, choice)
 
 async def collect(work: BatchWork, batch: Batch, *, resubmit_lost: bool) -> int:
     """Records every pending line whose jobs have all ended; returns the jobs still in
-    flight."""
+    flight. A job the batch's own cancel or expiry stopped ends its line as that batch's
+    ending says (batch.ending)."""
     pending = await pending_lines(work, batch)
     if not pending:
         return 0
@@ -113,7 +114,8 @@ def _finished_line(
     custom_id, body = read_line(raw)
     states = {result.state for result in results}
     if states & {"cancelled", "expired"}:
-        code = "batch_expired" if "expired" in states else "batch_cancelled"
+        expired = batch.ending == "expired" or (batch.ending is None and "expired" in states)
+        code = "batch_expired" if expired else "batch_cancelled"
         return "stopped", stopped_line(batch.id, line, custom_id, code)
     try:
         parsed = parse_line_body(batch.endpoint, body)

@@ -28,6 +28,8 @@ from exlq.producer.gateways.openai_api.producers import ProducerPool
 
 log = logging.getLogger(__name__)
 
+# How long stop() lets a step in progress end before cancelling it.
+STOP_WAIT_S = 5.0
 _TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 # KEYS[1] the lease; ARGV[1] this runner's token, ARGV[2] the lease in ms. Takes a free
 # lease or renews this runner's own; 0 while another runner holds it.
@@ -73,6 +75,7 @@ class BatchRunner:
         self._release = pool.redis.register_script(_RELEASE_LUA)
         self._held: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def __aenter__(self) -> BatchRunner:
         await self.start()
@@ -83,34 +86,36 @@ class BatchRunner:
 
     async def start(self) -> None:
         if self._task is None:
+            self._stopping.clear()
             self._task = asyncio.create_task(self._run(), name="exlq-batch-runner")
 
     async def stop(self) -> None:
-        """Stops between steps and gives back the leases held, so another replica goes on
-        at once."""
+        """Lets the step in progress end (for at most STOP_WAIT_S, then cancels it), and
+        gives back the leases held, so that another replica goes on at once."""
         task, self._task = self._task, None
+        self._stopping.set()
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _end(task)
         for batch_id in sorted(self._held):
             with contextlib.suppress(RedisError, OSError):
                 await self._release(keys=[self.work.store.keys.lease(batch_id)], args=[self.token])
         self._held.clear()
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self.run_once()
-            except asyncio.CancelledError:
-                raise
             except (RedisError, OSError) as exc:
                 log.warning("batch runner: Redis is unavailable (%s); trying again", exc)
-            await asyncio.sleep(self.work.settings.poll_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.work.settings.poll_interval_s):
+                    await self._stopping.wait()
 
     async def run_once(self) -> None:
         """One step of every open batch whose lease this runner holds or can take."""
         for batch_id in await self.work.store.open_ids():
+            if self._stopping.is_set():
+                return
             if not await self._take_lease(batch_id):
                 continue
             try:
@@ -166,3 +171,15 @@ class BatchRunner:
             now = work.now()
             ended = {"status": "finalizing", "finalizing_at": now, ENDING: "completed"}
             await store.set_if_status(batch.id, "in_progress", ended)
+
+
+async def _end(task: asyncio.Task[None]) -> None:
+    """Waits for the runner's task; cancels it if its step takes too long. A cancel can be
+    lost inside a library's own wait (Python 3.11's gather and wait_for have such races), so
+    it is sent again until the task has ended."""
+    done, _ = await asyncio.wait([task], timeout=STOP_WAIT_S)
+    while not done:
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=1.0)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the batch runner had failed", exc_info=task.exception())
