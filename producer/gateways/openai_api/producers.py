@@ -66,22 +66,33 @@ class ProducerPool:
         """How many workers of queue ``model`` sent a heartbeat within the stale time."""
         beats = await self.redis.hvals(self.keys(model).workers)
         now = time.time()
-        return sum(1 for beat in beats if now - _last_seen(beat) <= self.worker_stale_after_s)
+        return sum(1 for beat in beats if now - last_seen(beat) <= self.worker_stale_after_s)
 
     async def live_models(self) -> list[LiveModel]:
         """Every queue under the prefix whose workers hash holds a live heartbeat."""
         found: list[LiveModel] = []
-        now = time.time()
         async for key in self.redis.scan_iter(match=f"{self.prefix}:{{*}}:workers", count=500):
             name = _queue_of(key, self.prefix)
             if name is None:
                 continue
-            beats = await self.redis.hvals(key)
-            seen = [_last_seen(b) for b in beats]
-            live = [t for t in seen if now - t <= self.worker_stale_after_s]
-            if live:
-                found.append(LiveModel(name, len(live), int(min(live))))
+            live = self._live(name, await self.redis.hvals(key))
+            if live is not None:
+                found.append(live)
         return sorted(found, key=lambda m: m.name)
+
+    async def live_model(self, model: str) -> LiveModel | None:
+        """Queue ``model`` if a live worker serves it (one read, no scan); None if not, or
+        if no queue can have that name."""
+        try:
+            keys = self.keys(model)
+        except ValueError:
+            return None
+        return self._live(model, await self.redis.hvals(keys.workers))
+
+    def _live(self, name: str, beats: list[bytes | str]) -> LiveModel | None:
+        now = time.time()
+        live = [t for t in map(last_seen, beats) if now - t <= self.worker_stale_after_s]
+        return LiveModel(name, len(live), int(min(live))) if live else None
 
     async def close(self) -> None:
         for producer in self._producers.values():
@@ -97,7 +108,7 @@ def _queue_of(key: bytes | str, prefix: str) -> str | None:
     return text[len(head) : -len(tail)] or None
 
 
-def _last_seen(raw: bytes | str) -> float:
+def last_seen(raw: bytes | str) -> float:
     try:
         return float(json.loads(raw).get("last_seen", 0.0))
     except (ValueError, TypeError, AttributeError):

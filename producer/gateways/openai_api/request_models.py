@@ -67,8 +67,10 @@ class TextPart(_Body):
 
 
 class ChatMessageBody(_Body):
-    # Which roles and parts are allowed is checked in translate.py, so that the 400
-    # names the role or part at fault instead of listing every union member.
+    # Which roles, parts and fields are allowed is checked in translate.py, so that the 400
+    # names the role at fault first (a tool message's tool_call_id is not the point).
+    model_config = ConfigDict(extra="allow")
+
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

@@ -18,7 +18,13 @@ from exlq.producer.gateways.openai_api.request_models import (
 )
 from exlq.producer.gateways.openai_api.unsupported import refuse_unsupported
 from exlq.protocol.keys import Lane
-from exlq.protocol.models import MAX_STOP_STRINGS, FinishReason, InvalidRequest, JobResult
+from exlq.protocol.models import (
+    MAX_STOP_STRINGS,
+    FinishReason,
+    InvalidRequest,
+    JobResult,
+    Usage,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -172,6 +178,9 @@ def _message(index: int, message: ChatMessageBody) -> dict[str, str]:
             "user or assistant",
             param=f"{where}.role",
         )
+    for name in message.model_extra or {}:
+        param = f"{where}.{name}"
+        raise OpenAIError(400, f"Unrecognized request argument supplied: {param}", param=param)
     if message.tool_calls:
         raise OpenAIError(
             400, f"{where}.tool_calls: tool calls are not supported", param=f"{where}.tool_calls"
@@ -279,10 +288,9 @@ def _check_wire(fields: dict[str, Any]) -> None:
 # -- responses ------------------------------------------------------------------------------
 
 
-def usage_body(results: list[JobResult]) -> dict[str, Any]:
+def usage_body(usages: list[Usage]) -> dict[str, Any]:
     """OpenAI's usage for one request's jobs: the prompt counted once (as OpenAI counts it
-    for n choices), the completions summed."""
-    usages = [r.usage for r in results if r.usage is not None]
+    for n choices), the completions summed, the cached tokens those of the least cached."""
     prompt = max((u.prompt_tokens for u in usages), default=0)
     completion = sum(u.completion_tokens for u in usages)
     cached = min((u.cached_tokens for u in usages), default=0)
@@ -310,7 +318,7 @@ def response_from_results(
         "created": created,
         "model": parsed.model,
         "choices": choices,
-        "usage": usage_body(results),
+        "usage": usage_body([r.usage for r in results if r.usage is not None]),
         "system_fingerprint": None,
     }
     if parsed.is_chat:
