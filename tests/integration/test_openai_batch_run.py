@@ -191,3 +191,21 @@ async def test_create_refuses_what_it_cannot_run_and_lists_newest_first(redis_ur
         assert [b.id for b in page.data] == [made[2], made[1]] and page.has_more
         rest = await client.batches.list(after=made[1], limit=2)
         assert [b.id for b in rest.data] == [made[0]] and not rest.has_more
+
+
+@pytest.mark.usefixtures("batch_lane_served")
+async def test_a_batch_larger_than_the_in_flight_bound_completes_in_steps(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    await start_worker()
+    requests = [chat_line(f"r{i}", queue_name, f"v{i}", 2) for i in range(9)]
+    requests.append(chat_line("wide", queue_name, "w", 2, n=4))  # more jobs than the bound
+    async with serve_gateway(redis_url, max_in_flight_jobs=3) as gateway:
+        file_id = await upload(gateway.client, jsonl(requests))
+        created = await gateway.client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        batch = await wait_for_status(gateway.client, created.id, {"completed", "failed"})
+        output = _by_custom_id(await file_lines(gateway.client, batch.output_file_id))
+    assert set(output) == {r["custom_id"] for r in requests}
+    assert len(output["wide"]["response"]["body"]["choices"]) == 4

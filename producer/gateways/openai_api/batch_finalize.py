@@ -92,8 +92,12 @@ async def finalize(work: BatchWork, batch: Batch) -> None:
     for start in range(0, batch.total, chunk):
         lines = [str(line) for line in range(start, min(start + chunk, batch.total))]
         pipe = work.store.redis.pipeline(transaction=False)
-        pipe.lrange(keys.input(batch.id), start, start + len(lines) - 1)
-        for key in (keys.output(batch.id), keys.errors(batch.id), keys.stopped(batch.id)):
+        for key in (
+            keys.input(batch.id),
+            keys.output(batch.id),
+            keys.errors(batch.id),
+            keys.stopped(batch.id),
+        ):
             pipe.hmget(key, lines)
         raws, *found = cast("list[list[bytes | None]]", await pipe.execute())
         for offset, raw in enumerate(raws):

@@ -102,7 +102,8 @@ class BatchKeys:
         return self._base(batch_id)
 
     def input(self, batch_id: str) -> str:
-        """List of the input file's request lines, as validated."""
+        """Hash: line number (from 0, blank lines not counted) -> the input file's request
+        line, as validated. A hash, not a list: a line is read by its number in O(1)."""
         return f"{self._base(batch_id)}:input"
 
     def pending(self, batch_id: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
 
 from redis.typing import EncodableT, FieldT
 
@@ -26,6 +25,7 @@ from exlq.producer.gateways.openai_api.batch_work import (
     BatchWork,
     Pending,
     forget,
+    input_lines,
 )
 from exlq.producer.gateways.openai_api.errors import OpenAIError
 from exlq.producer.gateways.openai_api.translate import ParsedRequest
@@ -53,20 +53,22 @@ def read_submission(batch: Batch, number: int, raw: bytes) -> Submission:
 
 
 async def submit_more(work: BatchWork, batch: Batch, in_flight_jobs: int) -> None:
-    """Submits the next lines, as many as the in-flight bound leaves room for."""
+    """Submits the next lines, a chunk at a time, as many as the in-flight bound leaves
+    room for; stops early at a full queue or once the batch stops taking work."""
     room = work.settings.max_in_flight_jobs - in_flight_jobs
-    if room <= 0 or batch.submitted >= batch.total:
-        return
-    end = min(batch.submitted + work.settings.submit_chunk, batch.total)
-    raws = cast(
-        "list[bytes]",
-        await work.store.redis.lrange(work.store.keys.input(batch.id), batch.submitted, end - 1),
-    )
-    lines = _within_room(
-        [read_submission(batch, batch.submitted + i, raw) for i, raw in enumerate(raws)], room
-    )
-    outcomes = await asyncio.gather(*(submit_line(work, batch, line) for line in lines))
-    await _record(work, batch, lines, outcomes)
+    submitted = batch.submitted
+    while room > 0 and submitted < batch.total:
+        end = min(submitted + work.settings.submit_chunk, batch.total)
+        raws = await input_lines(work, batch, list(range(submitted, end)))
+        lines = _within_room(
+            [read_submission(batch, n, raws[n]) for n in range(submitted, end)], room
+        )
+        outcomes = await asyncio.gather(*(submit_line(work, batch, line) for line in lines))
+        progress = await _record(work, batch, submitted, lines, outcomes)
+        if progress is None:
+            return
+        submitted, jobs = progress
+        room -= jobs
 
 
 def _within_room(lines: list[Submission], room: int) -> list[Submission]:
@@ -130,13 +132,16 @@ def _outcome(errors: list[BaseException]) -> OpenAIError | _Full | None:
 async def _record(
     work: BatchWork,
     batch: Batch,
+    start: int,
     lines: list[Submission],
     outcomes: list[OpenAIError | _Full | None],
-) -> None:
+) -> tuple[int, int] | None:
+    """Records the chunk's lines; returns how far the batch is submitted and the jobs
+    added, or None where it must wait (a full queue, or the batch stopped taking work)."""
     keys = work.store.keys
     pending: dict[FieldT, EncodableT] = {}
     refused: dict[FieldT, EncodableT] = {}
-    done = batch.submitted
+    done, jobs = start, 0
     for line, outcome in zip(lines, outcomes, strict=True):
         if outcome is _Full.QUEUE_FULL:
             break  # the rest waits for room in the queue; jobs it made are found again
@@ -144,10 +149,14 @@ async def _record(
             refused[str(line.number)] = failed_line(batch.id, line.number, line.custom_id, outcome)
         elif line.parsed is not None:
             pending[str(line.number)] = Pending(line.parsed.model, line.parsed.n).encode()
+            jobs += line.parsed.n
         done = line.number + 1
     if pending:
         await work.store.redis.hset(keys.pending(batch.id), mapping=pending)
     if refused:
         await work.store.redis.hset(keys.errors(batch.id), mapping=refused)
-    if done > batch.submitted:
-        await work.store.set_if_status(batch.id, "in_progress", {SUBMITTED: done})
+    if done == start:
+        return None
+    if not await work.store.set_if_status(batch.id, "in_progress", {SUBMITTED: done}):
+        return None
+    return done, jobs

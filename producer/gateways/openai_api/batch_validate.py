@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.typing import EncodableT, FieldT
+
 from exlq.producer.gateways.openai_api.batch_lines import (
     MAX_REPORTED_ERRORS,
     InputCheck,
@@ -22,12 +24,12 @@ class _InputCopy:
     def __init__(self, work: BatchWork, batch: Batch) -> None:
         self._work = work
         self._key = work.store.keys.input(batch.id)
-        self._held: list[bytes] = []
+        self._held: dict[FieldT, EncodableT] = {}
         self._held_bytes = 0
         self.count = 0
 
     async def add(self, raw: bytes) -> None:
-        self._held.append(raw)
+        self._held[self.count] = raw
         self._held_bytes += len(raw)
         self.count += 1
         if self._held_bytes >= FILE_CHUNK_BYTES:
@@ -35,7 +37,7 @@ class _InputCopy:
 
     async def flush(self) -> None:
         if self._held:
-            await self._work.store.redis.rpush(self._key, *self._held)
+            await self._work.store.redis.hset(self._key, mapping=self._held)
         self._held.clear()
         self._held_bytes = 0
 

@@ -90,11 +90,11 @@ async def pending_lines(work: BatchWork, batch: Batch) -> dict[int, Pending]:
 
 async def input_lines(work: BatchWork, batch: Batch, lines: list[int]) -> dict[int, bytes]:
     """The raw input lines of these line numbers."""
-    pipe = work.store.redis.pipeline(transaction=False)
-    for line in lines:
-        pipe.lindex(work.store.keys.input(batch.id), line)
-    found = cast("list[bytes | None]", await pipe.execute())
-    return {line: raw for line, raw in zip(lines, found, strict=True) if raw is not None}
+    if not lines:
+        return {}
+    found = await work.store.redis.hmget(work.store.keys.input(batch.id), [str(n) for n in lines])
+    pairs = zip(lines, cast("list[bytes | None]", found), strict=True)
+    return {line: raw for line, raw in pairs if raw is not None}
 
 
 async def forget(handle: JobHandle) -> None:
