@@ -1,13 +1,9 @@
 """What the Batch API's tests share: a gateway served by uvicorn on a free port, reached with
-OpenAI's own client, and JSONL helpers. No tests here.
-
-The app is built here (FastAPI, the error handlers, the files and batches routers, the
-batch runner in the lifespan) until the gateway's create_app carries them."""
+OpenAI's own client, and JSONL helpers. No tests here."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -19,48 +15,14 @@ import openai
 import pytest
 import redis
 import uvicorn
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 
-from exlq.producer.gateways.openai_api import batch_submit, batches, files
-from exlq.producer.gateways.openai_api.batch_runner import BatchRunner
+from exlq.producer.gateways.openai_api.app import create_app
 from exlq.producer.gateways.openai_api.batch_settings import BatchSettings
-from exlq.producer.gateways.openai_api.errors import (
-    OpenAIError,
-    openai_error_response,
-    validation_error_response,
-)
-from exlq.producer.gateways.openai_api.producers import ProducerPool
 from exlq.producer.gateways.openai_api.settings import GatewaySettings
 from tests.conftest import wait_until
 
 # Fast pacing for tests: a step every 50 ms, small chunks so a batch takes several steps.
 FAST = {"poll_interval_s": 0.05, "submit_chunk": 4, "read_chunk": 3, "lease_ms": 2000}
-
-
-def build_app(settings: GatewaySettings, batch_settings: BatchSettings) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = ProducerPool(
-            settings.redis_url,
-            prefix=settings.prefix,
-            worker_stale_after_s=settings.worker_stale_after_s,
-        )
-        app.state.pool = pool
-        app.state.settings = settings
-        app.state.batch_settings = batch_settings
-        try:
-            async with BatchRunner(pool, batch_settings):
-                yield
-        finally:
-            await pool.close()
-
-    app = FastAPI(lifespan=lifespan)
-    app.add_exception_handler(OpenAIError, openai_error_response)
-    app.add_exception_handler(RequestValidationError, validation_error_response)
-    app.include_router(files.router)
-    app.include_router(batches.router)
-    return app
 
 
 @dataclass
@@ -73,7 +35,7 @@ class Gateway:
 async def serve_gateway(redis_url: str, **batch_options: Any) -> AsyncIterator[Gateway]:
     """A gateway on a free port with its own runner; stopped (lifespan and all) on exit."""
     settings = GatewaySettings(redis_url=redis_url)
-    app = build_app(settings, BatchSettings(**{**FAST, **batch_options}))
+    app = create_app(settings, BatchSettings(**{**FAST, **batch_options}))
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     )
@@ -102,14 +64,6 @@ def deploy_bulk_limit(redis_url: str) -> Iterator[None]:
     finally:
         client.config_set("proto-max-bulk-len", before)
         client.close()
-
-
-@pytest.fixture
-def batch_lane_served(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batch jobs go on the batch lane. Until workers read that lane (worker/lanes.py), the
-    tests' echo worker would never run them: they then go on the interactive lane."""
-    if importlib.util.find_spec("exlq.worker.lanes") is None:
-        monkeypatch.setattr(batch_submit, "BATCH_LANE", "interactive")
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:

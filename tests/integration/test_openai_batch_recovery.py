@@ -14,7 +14,6 @@ import redis.asyncio as aioredis
 from exlq.producer.gateways.openai_api.batch_store import BatchKeys
 from tests.integration.test_openai_batch_app import (
     Gateway,
-    batch_lane_served,
     chat_line,
     deploy_bulk_limit,
     file_lines,
@@ -26,9 +25,9 @@ from tests.integration.test_openai_batch_app import (
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.usefixtures("deploy_bulk_limit", "batch_lane_served"),
+    pytest.mark.usefixtures("deploy_bulk_limit"),
 ]
-__all__ = ["batch_lane_served", "deploy_bulk_limit"]
+__all__ = ["deploy_bulk_limit"]
 
 # A slow worker: 20 tokens a second, two jobs at a time, so a batch runs for seconds.
 SLOW = {"max_batch_size": 2, "echo_tokens_per_second": 20.0}

@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from tests.integration.test_openai_batch_app import (
-    batch_lane_served,
     chat_line,
     deploy_bulk_limit,
     echo,
@@ -21,7 +20,7 @@ from tests.integration.test_openai_batch_app import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("deploy_bulk_limit")]
-__all__ = ["batch_lane_served", "deploy_bulk_limit"]
+__all__ = ["deploy_bulk_limit"]
 
 
 def _by_custom_id(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -30,7 +29,6 @@ def _by_custom_id(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return found
 
 
-@pytest.mark.usefixtures("batch_lane_served")
 async def test_a_chat_batch_completes_with_every_request_answered(
     redis_url: str, queue_name: str, start_worker: Any
 ) -> None:
@@ -75,7 +73,6 @@ async def test_a_chat_batch_completes_with_every_request_answered(
         assert body["usage"]["completion_tokens"] == len(choices) * request["body"]["max_tokens"]
 
 
-@pytest.mark.usefixtures("batch_lane_served")
 async def test_a_completions_batch_answers_good_requests_and_reports_bad_ones(
     redis_url: str, queue_name: str, start_worker: Any
 ) -> None:
@@ -193,7 +190,6 @@ async def test_create_refuses_what_it_cannot_run_and_lists_newest_first(redis_ur
         assert [b.id for b in rest.data] == [made[0]] and not rest.has_more
 
 
-@pytest.mark.usefixtures("batch_lane_served")
 async def test_a_batch_larger_than_the_in_flight_bound_completes_in_steps(
     redis_url: str, queue_name: str, start_worker: Any
 ) -> None:

@@ -154,12 +154,6 @@ async def test_the_flex_tier_runs_on_the_batch_lane(
     assert received == 1
 
 
-async def wait_until_async(read: Any, expected: Any, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while await read() != expected:
-            await asyncio.sleep(0.02)
-
-
 async def test_n_streamed_choices_each_end_with_their_own_finish(
     start_worker: Any, start_gateway: Any, queue_name: str
 ) -> None:

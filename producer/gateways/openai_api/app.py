@@ -16,8 +16,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
 from exlq._version import __version__
-from exlq.producer.gateways.openai_api import completions, models_routes
+from exlq.producer.gateways.openai_api import batches, completions, files, models_routes
 from exlq.producer.gateways.openai_api.auth import ApiKeys, load_keys
+from exlq.producer.gateways.openai_api.batch_runner import BatchRunner
+from exlq.producer.gateways.openai_api.batch_settings import BatchSettings
 from exlq.producer.gateways.openai_api.errors import (
     OpenAIError,
     error_body,
@@ -34,10 +36,12 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 2.0
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    """The app. Its lifespan puts the ProducerPool in ``app.state.pool`` and the settings
-    in ``app.state.settings``; ``app.state.api_keys`` is the dependency every /v1 route
-    carries (routers added later take the same)."""
+def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None = None) -> FastAPI:
+    """The app. Its lifespan puts the ProducerPool in ``app.state.pool`` and runs this
+    replica's BatchRunner; the settings are in ``app.state.settings`` and
+    ``app.state.batch_settings`` (EXLQ_BATCH_* when not given); ``app.state.api_keys`` is the
+    dependency every /v1 route carries."""
+    batch_settings = batch_settings or BatchSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,16 +55,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.model_check = ModelCheck(pool)
         app.state.jobs = JobRunner(pool)
         try:
-            yield
+            async with BatchRunner(pool, batch_settings):
+                yield
         finally:
             await app.state.jobs.close()
             await pool.close()
 
     app = FastAPI(title="exlq OpenAI gateway", version=__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.batch_settings = batch_settings
     api_keys = ApiKeys(load_keys(settings.api_keys_file, settings.api_keys))
     app.state.api_keys = api_keys
-    for router in (models_routes.router, completions.router):
+    for router in (models_routes.router, completions.router, files.router, batches.router):
         app.include_router(router, dependencies=[Depends(api_keys)])
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
