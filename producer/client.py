@@ -153,6 +153,7 @@ class JobHandle:
 
     async def stream(self) -> AsyncIterator[Event]:
         """Yield the job's events as they arrive, ending after ``done`` or ``error``."""
+        finished = False
         try:
             if self.duplicate and self._last_seq < 0:
                 # The job may have ended before this handle subscribed.
@@ -161,12 +162,20 @@ class JobHandle:
             while self._final is None:
                 for event in await self._next_events():
                     yield self._track(event)
-        except JobLost:
-            # Nothing will publish on the channel of a job Redis has forgotten: leave it.
-            await self._producer._release(self.id, self._events)
-            raise
+            finished = True
         finally:
             self._wait.close()
+            if not finished:
+                # Left early: the caller stopped reading, was cancelled, or the job is lost
+                # (nothing will publish on its channel). The channel is let go by a task:
+                # a generator being closed may not wait.
+                self._producer._release_later(self.id, self._events)
+        await self._producer._release(self.id, self._events)
+
+    async def detach(self) -> None:
+        """Stop following the job: its channel is unsubscribed, and the job runs on. Its
+        result stays readable (``AsyncProducer.get_result``). For a producer that submits
+        many jobs and reads their results later, rather than holding a subscription each."""
         await self._producer._release(self.id, self._events)
 
     async def _next_events(self) -> list[Event]:
@@ -415,6 +424,7 @@ class AsyncProducer:
             stale_after_s=worker_stale_after_s,
             wait_for_worker=wait_for_worker,
         )
+        self._releases: set[asyncio.Task[None]] = set()  # channels let go by _release_later
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
         self._cancel_queued_script = self._redis.register_script(_CANCEL_QUEUED_LUA)
 
@@ -425,6 +435,8 @@ class AsyncProducer:
         await self.close()
 
     async def close(self) -> None:
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
         await self._workers.close()
         for submits in self._submits.values():
             await submits.close()
@@ -513,6 +525,15 @@ class AsyncProducer:
     async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
         with contextlib.suppress(Exception):
             await self._router.unsubscribe_many([(self.keys.events(job_id), events)])
+
+    def _release_later(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
+        """Unsubscribe the job's channel from a task of its own (``close`` waits for it)."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._release(job_id, events))
+        except RuntimeError:  # no loop runs: the producer's connections go with it
+            return
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
 
 def _with_packed_ids(fields: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,20 @@ MaxAttempts = Annotated[
     int | None, typer.Option("--max-attempts", help="runs of one job before it is dead")
 ]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
+BatchMin = Annotated[
+    int | None,
+    typer.Option(
+        "--batch-min-slots",
+        help="slots the batch lane may always use, however busy the interactive lane (1)",
+    ),
+]
+Reserved = Annotated[
+    int | None,
+    typer.Option(
+        "--interactive-reserved-slots",
+        help="slots the batch lane leaves free for interactive jobs (max batch size / 8)",
+    ),
+]
 
 
 def engine_options(pairs: list[str] | None) -> dict[str, str]:
@@ -78,6 +92,8 @@ def worker(
     grace_seconds: Grace = None,
     claim_idle_ms: ClaimIdle = None,
     max_attempts: MaxAttempts = None,
+    batch_min_slots: BatchMin = None,
+    interactive_reserved_slots: Reserved = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve a queue from a running Redis (EXLQ_* variables work too)."""
@@ -95,6 +111,8 @@ def worker(
         grace_seconds=grace_seconds,
         claim_idle_ms=claim_idle_ms,
         max_attempts=max_attempts,
+        batch_min_slots=batch_min_slots,
+        interactive_reserved_slots=interactive_reserved_slots,
         log_level=log_level,
     )
     raise typer.Exit(run_worker(settings))

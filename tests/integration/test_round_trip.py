@@ -150,3 +150,34 @@ async def test_packed_ids_reach_the_engine_as_the_same_prompt(
         (True, False),
         (False, True),
     ]
+
+
+async def _subscribers(redis_client: Any, channel: str) -> int:
+    [(_, count)] = await redis_client.pubsub_numsub(channel)
+    return int(count)
+
+
+async def test_a_stream_left_early_and_a_detached_job_let_their_channels_go(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: Any
+) -> None:
+    """A caller that stops reading a stream half-way, or detaches a job it will read the
+    result of later, holds no subscription for it; the detached job still runs."""
+    await start_worker(echo_tokens_per_second=50.0)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        left = await producer.submit("one two three four five six", max_new_tokens=20)
+        channel = producer.keys.events(left.id)
+        async for event in left.stream():
+            if isinstance(event, TokenEvent):
+                break  # the generator is closed here
+        await asyncio.sleep(0)
+        async with asyncio.timeout(5):
+            while await _subscribers(redis_client, channel):
+                await asyncio.sleep(0.01)
+        detached = await producer.submit("a b", max_new_tokens=2)
+        assert await _subscribers(redis_client, producer.keys.events(detached.id)) == 1
+        await detached.detach()
+        assert await _subscribers(redis_client, producer.keys.events(detached.id)) == 0
+        async with asyncio.timeout(10):
+            while (stored := await producer.get_result(detached.id)) is None:
+                await asyncio.sleep(0.02)
+        assert stored.state == "done" and stored.text.split() == ["a", "b"]

@@ -24,7 +24,6 @@ from exlq.producer.gateways.openai_api.batch_work import (
     Batch,
     BatchWork,
     Pending,
-    forget,
     input_lines,
 )
 from exlq.producer.gateways.openai_api.errors import OpenAIError
@@ -113,7 +112,7 @@ async def submit_line(
     )
     for submitted in submits:
         if isinstance(submitted, JobHandle):
-            await forget(submitted)
+            await submitted.detach()
     return _outcome([s for s in submits if not isinstance(s, JobHandle)])
 
 

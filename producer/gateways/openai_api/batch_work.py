@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from exlq.producer.client import JobHandle
 from exlq.producer.gateways.openai_api.batch_settings import BatchSettings
 from exlq.producer.gateways.openai_api.batch_store import (
     ENDING,
@@ -95,10 +94,3 @@ async def input_lines(work: BatchWork, batch: Batch, lines: list[int]) -> dict[i
     found = await work.store.redis.hmget(work.store.keys.input(batch.id), [str(n) for n in lines])
     pairs = zip(lines, cast("list[bytes | None]", found), strict=True)
     return {line: raw for line, raw in pairs if raw is not None}
-
-
-async def forget(handle: JobHandle) -> None:
-    """Drops the subscription a submit makes: the runner reads stored results instead of
-    holding one subscription per job of a batch. The SDK has no public call for this yet
-    (a JobHandle.release() would be one), so this reaches into the handle."""
-    await handle._producer._release(handle.id, handle._events)
