@@ -153,7 +153,6 @@ class JobHandle:
 
     async def stream(self) -> AsyncIterator[Event]:
         """Yield the job's events as they arrive, ending after ``done`` or ``error``."""
-        finished = False
         try:
             if self.duplicate and self._last_seq < 0:
                 # The job may have ended before this handle subscribed.
@@ -162,14 +161,14 @@ class JobHandle:
             while self._final is None:
                 for event in await self._next_events():
                     yield self._track(event)
-            finished = True
+        except JobLost:
+            # Nothing will publish on the channel of a job Redis has forgotten: leave it.
+            await self._producer._release(self.id, self._events)
+            raise
         finally:
             self._wait.close()
-            if not finished:
-                # Left early: the caller stopped reading, was cancelled, or the job is lost
-                # (nothing will publish on its channel). The channel is let go by a task:
-                # a generator being closed may not wait.
-                self._producer._release_later(self.id, self._events)
+        # A caller that stops reading early keeps the channel: result() or stream() goes on
+        # from where it stopped, and lets it go at the end (or detach() does).
         await self._producer._release(self.id, self._events)
 
     async def detach(self) -> None:
@@ -424,7 +423,6 @@ class AsyncProducer:
             stale_after_s=worker_stale_after_s,
             wait_for_worker=wait_for_worker,
         )
-        self._releases: set[asyncio.Task[None]] = set()  # channels let go by _release_later
         self._cancel_script = self._redis.register_script(_CANCEL_LUA)
         self._cancel_queued_script = self._redis.register_script(_CANCEL_QUEUED_LUA)
 
@@ -435,8 +433,6 @@ class AsyncProducer:
         await self.close()
 
     async def close(self) -> None:
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
         await self._workers.close()
         for submits in self._submits.values():
             await submits.close()
@@ -525,15 +521,6 @@ class AsyncProducer:
     async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
         with contextlib.suppress(Exception):
             await self._router.unsubscribe_many([(self.keys.events(job_id), events)])
-
-    def _release_later(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
-        """Unsubscribe the job's channel from a task of its own (``close`` waits for it)."""
-        try:
-            task = asyncio.get_running_loop().create_task(self._release(job_id, events))
-        except RuntimeError:  # no loop runs: the producer's connections go with it
-            return
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
 
 
 def _with_packed_ids(fields: dict[str, Any]) -> dict[str, Any]:

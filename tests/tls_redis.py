@@ -56,6 +56,7 @@ def producer_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         "+unsubscribe",
         f"~{base}:job:*",
         f"~{base}:jobs",
+        f"~{base}:jobs:batch",  # the batch lane's stream
         f"%R~{base}:result:*",
         # the workers' heartbeats, read-only: whether a live worker serves the queue
         f"%R~{base}:workers",

@@ -99,10 +99,13 @@ async def test_worker_serves_a_producer_over_tls(
         handle = await producer.submit("over tls", max_new_tokens=4)
         result = await handle.result(timeout=30)
         status = await producer.status(handle.id)
+        batch = await producer.submit("batch lane", max_new_tokens=2, priority="batch")
+        batch_result = await batch.result(timeout=30)
     assert result.text.split() == ["over", "tls", "over", "tls"]
     assert result.finish_reason == "length"
     assert status is not None
     assert status.state == "done"
+    assert batch_result.text.split() == ["batch", "lane"]
 
 
 async def test_producer_cancels_over_tls(
