@@ -17,6 +17,8 @@ from typing import Any, Literal, cast
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
+from exlq.producer.gateways.openai_api.list_page import ListPage
+
 BatchStatus = Literal[
     "validating",
     "failed",
@@ -151,12 +153,6 @@ def batch_object(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {name: fields.get(name) for name in _OBJECT_FIELDS}
 
 
-@dataclass(frozen=True)
-class BatchPage:
-    data: list[dict[str, Any]]
-    has_more: bool
-
-
 class BatchStore:
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self.redis = redis
@@ -214,17 +210,17 @@ class BatchStore:
         await self.redis.srem(self.keys.open, batch_id)
         await self.redis.delete(*self.keys.working(batch_id))
 
-    async def page(self, after: str | None, limit: int) -> BatchPage:
+    async def page(self, after: str | None, limit: int) -> ListPage:
         """Batches newest first, after ``after``."""
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(self.keys.index, after)
             if rank is None:
-                return BatchPage([], False)
+                return ListPage([], False)
             start = int(cast("int", rank)) + 1
         ids = cast("list[bytes]", await self.redis.zrevrange(self.keys.index, start, start + limit))
         pipe = self.redis.pipeline(transaction=False)
         for batch_id in ids[:limit]:
             pipe.hgetall(self.keys.batch(batch_id.decode()))
         found = cast("list[dict[bytes, bytes]]", await pipe.execute())
-        return BatchPage([batch_object(decode(raw)) for raw in found if raw], len(ids) > limit)
+        return ListPage([batch_object(decode(raw)) for raw in found if raw], len(ids) > limit)

@@ -14,6 +14,7 @@ from exlq.producer.gateways.openai_api.batch_settings import batch_settings_of
 from exlq.producer.gateways.openai_api.batch_store import BatchStore, batch_object, new_batch_id
 from exlq.producer.gateways.openai_api.errors import OpenAIError
 from exlq.producer.gateways.openai_api.files import file_store
+from exlq.producer.gateways.openai_api.list_page import ListPage
 from exlq.producer.gateways.openai_api.translate import ENDPOINTS
 
 router = APIRouter()
@@ -103,14 +104,8 @@ async def list_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict[str, Any]:
-    page = await batch_store(request).page(after, limit)
-    return {
-        "object": "list",
-        "data": page.data,
-        "first_id": page.data[0]["id"] if page.data else None,
-        "last_id": page.data[-1]["id"] if page.data else None,
-        "has_more": page.has_more,
-    }
+    page: ListPage = await batch_store(request).page(after, limit)
+    return page.body()
 
 
 _CANCELLABLE: frozenset[str] = frozenset({"validating", "in_progress", "cancelling", "cancelled"})

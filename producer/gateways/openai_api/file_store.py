@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from exlq.producer.gateways.openai_api.batch_settings import FILE_CHUNK_BYTES
+from exlq.producer.gateways.openai_api.list_page import ListPage
 
 FilePurpose = Literal["batch", "batch_output"]
 FILE_ID_PATTERN = re.compile(r"^file-[A-Za-z0-9_-]{1,64}$")
@@ -105,12 +106,6 @@ class FileWriter:
         await self._store.redis.delete(self._store.keys.pieces(self.file_id))
 
 
-@dataclass(frozen=True)
-class FilePage:
-    data: list[dict[str, Any]]
-    has_more: bool
-
-
 class FileStore:
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self.redis = redis
@@ -160,7 +155,7 @@ class FileStore:
         limit: int,
         newest_first: bool,
         read_chunk: int = 500,
-    ) -> FilePage:
+    ) -> ListPage:
         """Files after ``after`` in the order asked, of one purpose if given."""
         start = await self._start_rank(after, newest_first)
         found: list[dict[str, Any]] = []
@@ -170,7 +165,7 @@ class FileStore:
                 break
             start += len(ids)
             found += await self._objects(ids, purpose)
-        return FilePage(found[:limit], len(found) > limit)
+        return ListPage(found[:limit], len(found) > limit)
 
     async def _start_rank(self, after: str | None, newest_first: bool) -> int:
         if after is None:

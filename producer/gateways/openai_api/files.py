@@ -127,13 +127,7 @@ async def list_files(
     page = await file_store(request).page(
         purpose=purpose, after=after, limit=limit, newest_first=order == "desc"
     )
-    return {
-        "object": "list",
-        "data": page.data,
-        "first_id": page.data[0]["id"] if page.data else None,
-        "last_id": page.data[-1]["id"] if page.data else None,
-        "has_more": page.has_more,
-    }
+    return page.body()
 
 
 @router.get("/v1/files/{file_id}")
