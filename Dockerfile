@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1.7
 #
-# exlq worker images. Two targets:
+# exlq images. Three targets:
 #
 #   gpu  (default, last stage): CUDA + torch + exllamav2 with its extension prebuilt.
 #        docker build -t exlq-worker .
@@ -11,6 +11,14 @@
 #        testing Redis, dashboards and alerts before GPUs are attached.
 #        docker build --target lite -t exlq-worker:lite .
 #        docker run -e EXLQ_ENGINE=echo -e EXLQ_QUEUE=echo exlq-worker:lite
+#
+#   gateway: Python only: the producers that speak other protocols, `exlq gateway openai`
+#        (OpenAI's HTTP API, port 8000) and `exlq gateway websocket` (exllamav2's
+#        WebSocket protocol, port 7862). No torch, no GPU, no model.
+#        docker build --target gateway -t exlq-gateway .
+#        docker run -p 127.0.0.1:8000:8000 -e EXLQ_REDIS_URL=redis://redis:6379/0 exlq-gateway
+#        docker run -p 127.0.0.1:7862:7862 -e EXLQ_REDIS_URL=redis://redis:6379/0 \
+#            -e EXLQ_PORT=7862 exlq-gateway gateway websocket --queue my-model
 #
 # exllamav2 0.3.2 ships as a pure-Python wheel and compiles its CUDA extension
 # (torch JIT, ninja + nvcc) at first import. The gpu stage does that at build time,
@@ -23,18 +31,22 @@
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-devel-ubuntu24.04
 
-# ---------------------------------------------------------------------------- lite
-FROM ${PYTHON_IMAGE} AS lite
+# ------------------------------------------------------------------------- python
+# What the lite worker and the gateway share: Python and the runtime user.
+FROM ${PYTHON_IMAGE} AS python
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    EXLQ_ENGINE=echo \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --system --gid 10001 exlq \
+ && useradd --system --uid 10001 --gid exlq --home-dir /home/exlq --create-home --shell /usr/sbin/nologin exlq
+
+# ---------------------------------------------------------------------------- lite
+FROM python AS lite
+ENV EXLQ_ENGINE=echo \
     EXLQ_METRICS_HOST=0.0.0.0 \
     EXLQ_METRICS_PORT=9400
-RUN groupadd --system --gid 10001 exlq \
- && useradd --system --uid 10001 --gid exlq --home-dir /home/exlq --create-home --shell /usr/sbin/nologin exlq \
- && mkdir -p /models
+RUN mkdir -p /models
 COPY . /app
 # The base install is the whole echo worker (prometheus-client included); every version
 # as constraints.txt pins it, as CI tests it.
@@ -47,6 +59,32 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["exlq"]
 CMD ["worker"]
+
+# ------------------------------------------------------------------------- gateway
+# A stage of its own, not the lite one with the extra: the worker needs none of FastAPI,
+# uvicorn, sse-starlette, websockets or tokenizers, and the gateway none of the worker's
+# settings (engine, metrics port, its health check on 9400).
+FROM python AS gateway
+# Listen on every interface of the container (the gateways' default is 127.0.0.1, which
+# nothing outside the container reaches). EXLQ_PORT is left unset on purpose: each gateway
+# then takes its own default (8000 openai, 7862 websocket), and the websocket one would
+# take EXLQ_PORT too.
+ENV EXLQ_HOST=0.0.0.0
+COPY . /app
+RUN pip install -c /app/constraints.txt "/app[gateway]"
+USER exlq
+WORKDIR /home/exlq
+EXPOSE 8000 7862
+# Liveness of whichever gateway runs: /healthz on EXLQ_PORT, or on either default port
+# when it is unset. Move a gateway with EXLQ_PORT, not --port, so that this follows it.
+# (/readyz, which needs Redis, is for orchestrators: compose and Kubernetes probe it.)
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
+    CMD for port in ${EXLQ_PORT:-8000 7862}; do python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/healthz" 2>/dev/null && exit 0; done; exit 1
+# SIGTERM: the OpenAI gateway stops accepting, ends its SSE streams and lets whole answers
+# in flight finish; the WebSocket gateway closes its connections and cancels their jobs.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["exlq"]
+CMD ["gateway", "openai"]
 
 # ----------------------------------------------------------------------------- gpu
 FROM ${CUDA_IMAGE} AS gpu

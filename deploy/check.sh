@@ -66,16 +66,17 @@ dsvar = next(v for v in dash["templating"]["list"] if v["name"] == "datasource")
 if dsvar["current"]["value"] != ds["uid"]:
     errors.append("dashboard datasource default != provisioned datasource uid")
 
-# Kubernetes: queue, batch size and grace agree across files.
+# Kubernetes: queue, batch size and grace agree across files. Objects by kind and name
+# (there are several Deployments: the worker's and the gateways').
 k8s = {}
 for path, ds_ in docs.items():
     if path.startswith("deploy/kubernetes/"):
         for doc in ds_:
             if isinstance(doc, dict) and "kind" in doc:
-                k8s[doc["kind"]] = doc
-cm = k8s["ConfigMap"]["data"]
-so = k8s["ScaledObject"]["spec"]
-dep = k8s["Deployment"]["spec"]["template"]["spec"]
+                k8s[doc["kind"], doc.get("metadata", {}).get("name")] = doc
+cm = k8s["ConfigMap", "exlq-worker"]["data"]
+so = k8s["ScaledObject", "exlq-worker"]["spec"]
+dep = k8s["Deployment", "exlq-worker"]["spec"]["template"]["spec"]
 stream = f"{cm['EXLQ_PREFIX']}:{{{cm['EXLQ_QUEUE']}}}:jobs"
 for t in so["triggers"]:
     if t["metadata"]["stream"] != stream:
@@ -91,6 +92,21 @@ if not dep["terminationGracePeriodSeconds"] > int(cm["EXLQ_GRACE_SECONDS"]):
     errors.append("deployment.yaml: terminationGracePeriodSeconds must exceed EXLQ_GRACE_SECONDS")
 if dep["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") != 1:
     errors.append("deployment.yaml: the worker must ask for one nvidia.com/gpu")
+# Every file in deploy/kubernetes/ is one kustomize applies (a gateway left out is not shipped).
+kustomization = docs["deploy/kubernetes/kustomization.yaml"][0]
+listed = set(kustomization["resources"]) | {"kustomization.yaml", "podmonitor.yaml"}
+for path in docs:
+    if path.startswith("deploy/kubernetes/") and path.rsplit("/", 1)[1] not in listed:
+        errors.append(f"{path}: not in kustomization.yaml's resources")
+# A pod's preStop sleep counts against its grace: leave time after it.
+for (kind, name), doc in k8s.items():
+    if kind != "Deployment":
+        continue
+    pod = doc["spec"]["template"]["spec"]
+    for c in pod["containers"]:
+        sleep = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        if sleep[:1] == ["sleep"] and int(sleep[1]) >= pod.get("terminationGracePeriodSeconds", 30):
+            errors.append(f"{name}: preStop sleep >= terminationGracePeriodSeconds")
 
 # Compose: grace periods.
 compose = docs["deploy/docker-compose.yml"][0]
