@@ -179,7 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     result = run(args)
-    path = write_summary(args.out, "gateway-bench", result)
+    # Named by the parts it holds: a run of one part leaves another's file alone.
+    path = write_summary(args.out, "-".join(["gateway-bench", *result]), result)
     if path is not None:
         print(f"wrote {path}")
 
