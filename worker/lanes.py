@@ -20,6 +20,8 @@ A read that finds both lanes empty waits on both, or on the interactive lane alo
 has one free slot (a wait on two streams can bring an entry from each). So a worker with one
 free slot starts a batch job that lands while it waits only after the wait ends
 (``read_block_ms``): a batch job waits at most that much longer, an interactive one never.
+While the reserve holds the batch lane back, the wait is RESERVE_RECHECK_MS: a batch job
+that ends frees a slot the batch lane may fill, and a waiting read would not see it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from dataclasses import dataclass
 
 from exlq.protocol.keys import LANES, Lane
 
+# While the reserve holds the batch lane back, a read that finds nothing waits this long at
+# most (for an interactive entry) before it looks again: a batch job ends every few steps
+# at full load, and a wait of the usual read_block_ms (1 s) would leave its slot empty.
+RESERVE_RECHECK_MS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class TakePlan:
@@ -37,6 +44,9 @@ class TakePlan:
 
     total: int
     steps: tuple[tuple[Lane, int], ...]
+    # The reserve holds the batch lane back though slots are free: a batch job that ends
+    # lets it take one more, so a read that finds nothing waits only RESERVE_RECHECK_MS.
+    held_back: bool = False
 
     @classmethod
     def any_lane(cls, total: int) -> TakePlan:
@@ -50,7 +60,11 @@ class TakePlan:
 
     def less(self, taken: int) -> TakePlan:
         """The plan for the rest of a read that has taken ``taken`` entries already."""
-        return TakePlan(max(self.total - taken, 0), self.steps)
+        return TakePlan(max(self.total - taken, 0), self.steps, self.held_back)
+
+    def wait_ms(self, block_ms: int) -> int:
+        """How long a read that finds nothing may wait for an entry."""
+        return min(block_ms, RESERVE_RECHECK_MS) if self.held_back else block_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +85,7 @@ class LanePolicy:
             steps.append(("batch", min(shortfall, free_slots)))
         steps.append(("interactive", free_slots))
         steps.append(("batch", min(batch_cap, free_slots)))
-        return TakePlan(free_slots, tuple(steps))
+        return TakePlan(free_slots, tuple(steps), held_back=free_slots > 0 and batch_cap == 0)
 
 
 def count_by_lane(lanes: Iterable[Lane]) -> dict[Lane, int]:

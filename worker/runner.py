@@ -198,7 +198,9 @@ class Worker:
                 continue
             try:
                 plan = self.take_plan(self.free_slots)
-                read = await self.broker.read(plan, self.settings.broker.read_block_ms)
+                read = await self.broker.read(
+                    plan, plan.wait_ms(self.settings.broker.read_block_ms)
+                )
                 if read.entries:
                     # Redis answers a read with every entry that has landed, up to its
                     # count. One that stopped at its count (or waited, and brought the first

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from exlq.protocol.keys import QueueKeys, entry_ref, split_entry_ref
-from exlq.worker.lanes import LanePolicy, TakePlan, count_by_lane
+from exlq.worker.lanes import RESERVE_RECHECK_MS, LanePolicy, TakePlan, count_by_lane
 
 
 def test_interactive_jobs_take_every_free_slot_once_the_batch_minimum_runs() -> None:
@@ -51,3 +51,13 @@ def test_entry_names_carry_their_lane_and_the_batch_lane_has_its_own_stream() ->
     assert keys.lane_jobs("batch") == "exlq:{q}:jobs:batch"
     assert count_by_lane(["batch", "batch", "interactive"]) == {"interactive": 1, "batch": 2}
     assert TakePlan.any_lane(3).lanes() == ["interactive", "batch"]
+
+
+def test_a_read_held_back_by_the_reserve_waits_briefly() -> None:
+    """Batch jobs fill every slot but the reserve: a batch job that ends frees a slot the
+    batch lane may take, so the read that waits for interactive jobs must not wait long."""
+    policy = LanePolicy(capacity=8, batch_min_slots=1, interactive_reserved_slots=2)
+    held = policy.plan(2, {"interactive": 0, "batch": 6})
+    assert held.held_back and held.wait_ms(1000) == RESERVE_RECHECK_MS
+    free = policy.plan(3, {"interactive": 0, "batch": 5})
+    assert not free.held_back and free.wait_ms(1000) == 1000
