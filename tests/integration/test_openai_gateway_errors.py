@@ -109,6 +109,40 @@ async def test_a_full_queue_is_rate_limited(
     assert raised.value.code == "queue_full"
 
 
+async def test_requests_past_the_in_flight_bound_are_refused_at_once(
+    start_worker: Any, start_gateway: Any, queue_name: str
+) -> None:
+    """Two streams open on a gateway bound to two requests: a third is answered 503
+    gateway_overloaded with a Retry-After, health probes still answer, and once a stream
+    ends the next request is served."""
+    await start_worker(echo_tokens_per_second=20.0)
+    server = start_gateway(max_in_flight=2)
+    async with async_client(server) as client:
+        streams = [
+            await client.chat.completions.create(
+                model=queue_name, messages=HELLO, max_tokens=20, stream=True
+            )
+            for _ in range(2)
+        ]
+        for stream in streams:
+            await anext(aiter(stream))  # both are being served
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.chat.completions.create(model=queue_name, messages=HELLO, max_tokens=1)
+        async with httpx2.AsyncClient() as probe:
+            ready = await probe.get(server.base_url.removesuffix("/v1") + "/readyz")
+        for stream in streams:
+            async for _ in stream:
+                pass
+        served = await client.chat.completions.create(
+            model=queue_name, messages=HELLO, max_tokens=1
+        )
+    assert refused.value.status_code == 503
+    assert refused.value.code == "gateway_overloaded"
+    assert refused.value.response.headers["retry-after"] == "1"
+    assert ready.status_code == 200
+    assert served.choices[0].finish_reason == "length"
+
+
 async def test_a_model_whose_workers_are_gone_is_unavailable(
     start_worker: Any, start_gateway: Any, queue_name: str, redis_client: aioredis.Redis
 ) -> None:

@@ -26,6 +26,7 @@ from exlq.producer.gateways.openai_api.errors import (
     openai_error_response,
     validation_error_response,
 )
+from exlq.producer.gateways.openai_api.in_flight import InFlightLimit
 from exlq.producer.gateways.openai_api.jobs import JobRunner
 from exlq.producer.gateways.openai_api.model_check import ModelCheck
 from exlq.producer.gateways.openai_api.producers import ProducerPool
@@ -71,6 +72,8 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
     _add_error_handlers(app)
+    if settings.max_in_flight:
+        app.add_middleware(InFlightLimit, limit=settings.max_in_flight)
     return app
 
 

@@ -40,6 +40,14 @@ MaxBacklog = Annotated[
         "EXLQ_MAX_BACKLOG)",
     ),
 ]
+MaxInFlight = Annotated[
+    int | None,
+    typer.Option(
+        "--max-in-flight",
+        help="API requests (streams included) served at once; past it, 503 "
+        "gateway_overloaded; 0: no bound (env EXLQ_MAX_IN_FLIGHT)",
+    ),
+]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="(env EXLQ_LOG_LEVEL)")]
 # How long the start-up check waits for Redis's PONG.
 REDIS_CHECK_S = 5.0
@@ -53,6 +61,7 @@ def openai(
     api_keys_file: KeysFile = None,
     worker_stale_after_s: StaleAfter = None,
     max_backlog: MaxBacklog = None,
+    max_in_flight: MaxInFlight = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve OpenAI's HTTP API (models, completions, chat, files, batches) from exlq queues."""
@@ -64,6 +73,7 @@ def openai(
         "api_keys_file": api_keys_file,
         "worker_stale_after_s": worker_stale_after_s,
         "max_backlog": max_backlog,
+        "max_in_flight": max_in_flight,
         "log_level": log_level,
     }
     settings = _settings({k: v for k, v in flags.items() if v is not None})

@@ -31,4 +31,10 @@ class GatewaySettings(BaseSettings):
     max_backlog: int = Field(
         0, ge=0, description="jobs a lane of a queue may hold before requests get 429; 0: none"
     )
+    max_in_flight: int = Field(
+        0,
+        ge=0,
+        description="API requests (streams included) one process serves at once; past it, "
+        "503 gateway_overloaded at once; 0: no bound",
+    )
     log_level: str = "INFO"
