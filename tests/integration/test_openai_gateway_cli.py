@@ -3,6 +3,8 @@ and it stops in one line (exit 2) when Redis cannot be reached."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
@@ -10,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -75,3 +78,58 @@ def test_the_gateway_serves_and_logs_no_key(redis_url: str, tmp_path: Path) -> N
     assert '"GET /v1/models HTTP/1.1" 200' in output
     assert '"GET /v1/models HTTP/1.1" 401' in output
     assert KEY not in output and "nope" not in output
+
+
+def _started(base: str, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 30
+    with httpx2.Client() as http:
+        while True:
+            try:
+                if http.get(f"{base}/healthz").status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+async def test_sigterm_lets_an_open_stream_finish(
+    redis_url: str, queue_name: str, start_worker: Any
+) -> None:
+    """A rolling restart: SIGTERM mid-stream, and the stream still runs to its end and
+    [DONE]; then the process ends (uvicorn, its shutdown done, raises the signal it caught
+    again, so the exit status says SIGTERM)."""
+    await start_worker(echo_tokens_per_second=20.0)
+    port = _free_port()
+    process = _gateway("--redis-url", redis_url, "--port", str(port), "--grace-seconds", "20")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await asyncio.to_thread(_started, base, process)
+        body = {
+            "model": queue_name,
+            "stream": True,
+            "max_tokens": 20,
+            "messages": [{"role": "user", "content": "a rolling restart"}],
+        }
+        events: list[str] = []
+        async with (
+            httpx2.AsyncClient(timeout=30) as http,
+            http.stream("POST", f"{base}/v1/chat/completions", json=body) as response,
+        ):
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    process.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(process.wait, 30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert len(text.split()) == 20
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert code == -signal.SIGTERM

@@ -40,6 +40,13 @@ MaxBacklog = Annotated[
         "EXLQ_MAX_BACKLOG)",
     ),
 ]
+Grace = Annotated[
+    float | None,
+    typer.Option(
+        "--grace-seconds",
+        help="on SIGTERM, time open streams and answers get to finish (env EXLQ_GRACE_SECONDS)",
+    ),
+]
 MaxInFlight = Annotated[
     int | None,
     typer.Option(
@@ -62,6 +69,7 @@ def openai(
     worker_stale_after_s: StaleAfter = None,
     max_backlog: MaxBacklog = None,
     max_in_flight: MaxInFlight = None,
+    grace_seconds: Grace = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve OpenAI's HTTP API (models, completions, chat, files, batches) from exlq queues."""
@@ -74,6 +82,7 @@ def openai(
         "worker_stale_after_s": worker_stale_after_s,
         "max_backlog": max_backlog,
         "max_in_flight": max_in_flight,
+        "grace_seconds": grace_seconds,
         "log_level": log_level,
     }
     settings = _settings({k: v for k, v in flags.items() if v is not None})
@@ -123,11 +132,14 @@ def _serve(settings: Any) -> None:
         raise _fail(f"{exc}: install the gateway extra (pip install 'exlq[gateway]')") from None
     # uvicorn's access log prints the client, the method, the path and the status: never a
     # header, so no API key reaches the log.
+    # On SIGTERM uvicorn stops accepting and waits for the requests in flight, streams
+    # included (their grace is sse-starlette's, set per response), up to the grace period.
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=settings.grace_seconds + 1,
     )
 
 

@@ -48,8 +48,12 @@ async def _serve(request: Request, endpoint: str, id_prefix: str) -> Response:
     if parsed.stream:
         writer = ChunkWriter(parsed, response_id, created)
         # sse-starlette cancels the generator when the client disconnects; its finally
-        # cancels the jobs.
-        return EventSourceResponse(stream_chunks(writer, jobs), sep="\n")
+        # cancels the jobs. On SIGTERM it lets the stream run to its end for the grace
+        # period, so a rolling restart cuts no answer short.
+        grace = request.app.state.settings.grace_seconds
+        return EventSourceResponse(
+            stream_chunks(writer, jobs), sep="\n", shutdown_grace_period=grace
+        )
     try:
         body = await _unless_disconnected(
             request, whole_response(parsed, jobs, response_id, created)

@@ -37,4 +37,10 @@ class GatewaySettings(BaseSettings):
         description="API requests (streams included) one process serves at once; past it, "
         "503 gateway_overloaded at once; 0: no bound",
     )
+    grace_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM, the time open streams and answers get to finish, while "
+        "new connections are refused",
+    )
     log_level: str = "INFO"
