@@ -11,7 +11,6 @@ Handles that ask at once share one read, and an answer "served" holds for CACHE_
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
+from exlq.protocol.heartbeat import live_times
 from exlq.protocol.keys import QueueKeys
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,6 @@ DEFAULT_STALE_AFTER_S = 30.0
 # How long an answer "served" holds before the heartbeats are read again. "Not served" is
 # not held: the next question reads again, so a worker that has just started is seen.
 CACHE_S = 5.0
-
-
-def _last_seen(raw: Any) -> float:
-    try:
-        return float(json.loads(raw).get("last_seen", 0.0))
-    except (ValueError, TypeError, AttributeError):
-        return 0.0
 
 
 class WorkerWatch:
@@ -98,8 +91,7 @@ class WorkerWatch:
             )
             self._served_until = math.inf  # never asked again
             return True
-        oldest = time.time() - self.stale_after_s
-        served = any(_last_seen(raw) >= oldest for raw in heartbeats.values())
+        served = bool(live_times(heartbeats.values(), self.stale_after_s, time.time()))
         if served:
             self._served_until = time.monotonic() + CACHE_S
             self._warned = False

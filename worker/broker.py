@@ -17,6 +17,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from exlq.protocol.batch_script import reply_pairs
 from exlq.protocol.command_packing import pack_in_c
+from exlq.protocol.heartbeat import last_seen
 from exlq.protocol.keys import CONSUMER_GROUP, LANES, Lane, QueueKeys, entry_ref, split_entry_ref
 from exlq.worker.broker_scripts import COMMIT_LUA, LOST_LUA, RENEW_LUA, START_MANY_LUA, TAKE_LUA
 from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
@@ -431,7 +432,7 @@ class Broker:
         pipe.expire(self.keys.workers, max(int(stale_after_s * 10), 60))
         pipe.hgetall(self.keys.workers)
         *_, workers = await pipe.execute()
-        stale = [name for name, raw in workers.items() if _last_seen(raw) < now - stale_after_s]
+        stale = [name for name, raw in workers.items() if last_seen(raw) < now - stale_after_s]
         if stale:
             await self.client.hdel(self.keys.workers, *stale)
 
@@ -457,10 +458,3 @@ def _no_stream(exc: ResponseError) -> bool:
 
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
-def _last_seen(raw: bytes) -> float:
-    try:
-        return float(json.loads(raw).get("last_seen", 0.0))
-    except (ValueError, AttributeError):
-        return 0.0

@@ -148,3 +148,12 @@ def test_keys_share_one_hash_tag_per_queue() -> None:
     assert keys.events("job-1") == "exlq:out:{job-1}"
     with pytest.raises(ValueError, match="queue name"):
         QueueKeys("bad{queue}")
+
+
+def test_heartbeats_are_live_within_the_stale_time_and_junk_is_never_live() -> None:
+    from exlq.protocol.heartbeat import last_seen, live_times
+
+    beats = [json.dumps({"last_seen": 100.0}), json.dumps({"last_seen": 70.0}), b"junk", "[]"]
+    assert last_seen(beats[0]) == 100.0 and last_seen(b"junk") == 0.0 and last_seen("[]") == 0.0
+    assert live_times(beats, stale_after_s=30, now=110.0) == [100.0]
+    assert live_times(beats, stale_after_s=40, now=110.0) == [100.0, 70.0]

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from exlq.producer.gateways.openai_api.errors import OpenAIError
 from exlq.producer.gateways.openai_api.job_errors import no_worker_error
-from exlq.producer.gateways.openai_api.producers import ProducerPool, last_seen
+from exlq.producer.gateways.openai_api.producers import ProducerPool
+from exlq.protocol.heartbeat import live_times
 from exlq.protocol.keys import check_name
 
 CACHE_S = 1.0
@@ -63,9 +64,8 @@ class ModelCheck:
         pipe.exists(keys.jobs, keys.workers)
         pipe.hvals(keys.workers)
         known, beats = await pipe.execute()
-        oldest = time.time() - self._pool.worker_stale_after_s
-        live = sum(1 for beat in beats if last_seen(beat) >= oldest)
-        return ModelState(bool(known), live)
+        live = live_times(beats, self._pool.worker_stale_after_s, time.time())
+        return ModelState(bool(known), len(live))
 
     def _forget_failed(self, model: str, task: asyncio.Task[ModelState]) -> None:
         # A failed read (Redis away) is not held: the next request reads again.

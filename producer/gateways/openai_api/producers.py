@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ import redis.asyncio as aioredis
 
 from exlq.producer.client import AsyncProducer
 from exlq.protocol.command_packing import pack_in_c
+from exlq.protocol.heartbeat import live_times
 from exlq.protocol.keys import QueueKeys, check_name
 
 
@@ -62,12 +62,6 @@ class ProducerPool:
     def keys(self, model: str) -> QueueKeys:
         return QueueKeys(queue=model, prefix=self.prefix)
 
-    async def live_workers(self, model: str) -> int:
-        """How many workers of queue ``model`` sent a heartbeat within the stale time."""
-        beats = await self.redis.hvals(self.keys(model).workers)
-        now = time.time()
-        return sum(1 for beat in beats if now - last_seen(beat) <= self.worker_stale_after_s)
-
     async def live_models(self) -> list[LiveModel]:
         """Every queue under the prefix whose workers hash holds a live heartbeat."""
         found: list[LiveModel] = []
@@ -90,8 +84,7 @@ class ProducerPool:
         return self._live(model, await self.redis.hvals(keys.workers))
 
     def _live(self, name: str, beats: list[bytes | str]) -> LiveModel | None:
-        now = time.time()
-        live = [t for t in map(last_seen, beats) if now - t <= self.worker_stale_after_s]
+        live = live_times(beats, self.worker_stale_after_s, time.time())
         return LiveModel(name, len(live), int(min(live))) if live else None
 
     async def close(self) -> None:
@@ -106,10 +99,3 @@ def _queue_of(key: bytes | str, prefix: str) -> str | None:
     if not (text.startswith(head) and text.endswith(tail)):
         return None
     return text[len(head) : -len(tail)] or None
-
-
-def last_seen(raw: bytes | str) -> float:
-    try:
-        return float(json.loads(raw).get("last_seen", 0.0))
-    except (ValueError, TypeError, AttributeError):
-        return 0.0
