@@ -163,7 +163,7 @@ class Broker:
         if entries or block_ms is None or not waits_on:
             return Read(entries, complete=len(entries) < plan.total)
         claimed_at = time.time()
-        rest_plan = plan.less(len(waits_on))
+        rest_plan = plan.after_wait(waits_on)
         # One round trip: Redis runs the script as soon as the blocking read returns, so
         # what landed with the first entry (a burst written at once) comes in the same
         # reply, as a blocking read of the whole count would have brought it.

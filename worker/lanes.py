@@ -26,7 +26,7 @@ that ends frees a slot the batch lane may fill, and a waiting read would not see
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from exlq.protocol.keys import LANES, Lane
@@ -58,9 +58,13 @@ class TakePlan:
         on these, on as many as it has slots for."""
         return [lane for lane in LANES if any(cap > 0 for on, cap in self.steps if on == lane)]
 
-    def less(self, taken: int) -> TakePlan:
-        """The plan for the rest of a read that has taken ``taken`` entries already."""
-        return TakePlan(max(self.total - taken, 0), self.steps, self.held_back)
+    def after_wait(self, waited_on: Sequence[Lane]) -> TakePlan:
+        """The plan for the take sent behind a wait on ``waited_on``, which may bring one
+        entry from each of those lanes: the take does not see what the wait brought, so it
+        takes one fewer in all and from each of those lanes. (Where the wait brought less,
+        the read says it may have left entries behind, and the worker reads them next.)"""
+        steps = tuple((lane, max(cap - (lane in waited_on), 0)) for lane, cap in self.steps)
+        return TakePlan(max(self.total - len(waited_on), 0), steps, self.held_back)
 
     def wait_ms(self, block_ms: int) -> int:
         """How long a read that finds nothing may wait for an entry."""

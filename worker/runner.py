@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -15,6 +16,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from exlq.protocol.backoff import REDIS_BACKOFF, reconnect_delay_s
 from exlq.protocol.batch_script import PIECE_JOBS
 from exlq.protocol.eager_task import started_task
+from exlq.protocol.keys import Lane
 from exlq.protocol.models import (
     ErrorEvent,
     ErrorInfo,
@@ -115,10 +117,12 @@ class Worker:
     def free_slots(self) -> int:
         return self.capacity - self.jobs.held
 
-    def take_plan(self, slots: int) -> TakePlan:
-        """The read for ``slots`` of the free slots, by lane (worker/lanes.py)."""
-        running = count_by_lane(job.lane for job in self.jobs.jobs_in(HELD))
-        return self.lanes.plan(slots, running)
+    def take_plan(self, slots: int, in_hand: Iterable[Lane] = ()) -> TakePlan:
+        """The read for ``slots`` of the free slots, by lane (worker/lanes.py). ``in_hand``:
+        the lanes of entries read and not yet held (a burst's piece), which count as
+        running in their lane."""
+        held = (job.lane for job in self.jobs.jobs_in(HELD))
+        return self.lanes.plan(slots, count_by_lane(itertools.chain(held, in_hand)))
 
     @property
     def held(self) -> dict[str, RunningJob]:
@@ -310,8 +314,8 @@ class Worker:
         with the rest of the piece."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.broker.burst_wait_ms / 1000
-        taken, rest = len(entries), entries
-        read = await self._read_ahead(taken, deadline, block=entries[-1].more)
+        in_hand, rest = [entry.lane for entry in entries], entries
+        read = await self._read_ahead(in_hand, deadline, block=entries[-1].more)
         try:
             while True:
                 self._take_in(rest, batch, piece)
@@ -324,19 +328,20 @@ class Worker:
                     return
                 if not rest:
                     return
-                taken += len(rest)
-                read = await self._read_ahead(taken, deadline) if rest[-1].more else None
+                in_hand += [entry.lane for entry in rest]
+                read = await self._read_ahead(in_hand, deadline) if rest[-1].more else None
         finally:
             if read is not None and not read.done():  # cancelled, or a parse failed
                 read.cancel()
 
     async def _read_ahead(
-        self, taken: int, deadline: float, block: bool = True
+        self, in_hand: list[Lane], deadline: float, block: bool = True
     ) -> asyncio.Task[Read] | None:
-        """Send the read for the rest of a piece of which ``taken`` entries are in hand
-        (``block``: waiting until ``deadline``, else only what has landed); None when the
-        piece is full, the wait is over or the worker stops reading."""
-        room = min(ACCEPT_PIECE, self.free_slots) - taken
+        """Send the read for the rest of a piece whose entries in hand are of the lanes
+        ``in_hand`` (``block``: waiting until ``deadline``, else only what has landed); None
+        when the piece is full, the wait is over or the worker stops reading. The entries in
+        hand count in their lanes' bounds (worker/lanes.py), as the jobs held do."""
+        room = min(ACCEPT_PIECE, self.free_slots) - len(in_hand)
         if room <= 0 or self.stop_reading.is_set():
             return None
         wait_ms: int | None = None
@@ -344,7 +349,7 @@ class Worker:
             wait_ms = int((deadline - asyncio.get_running_loop().time()) * 1000)
             if wait_ms < 1:  # BLOCK 0 would wait for ever
                 return None
-        read = self.broker.read(self.take_plan(room), wait_ms)
+        read = self.broker.read(self.take_plan(room, in_hand), wait_ms)
         return await started_task(read, name="exlq-burst-read")
 
     async def _start_piece(self, batch: Batch, piece: Piece) -> None:

@@ -117,6 +117,29 @@ async def test_the_batch_lane_leaves_reserved_slots_for_interactive_jobs(
     assert most == 3
 
 
+@pytest.mark.parametrize("burst", [True, False], ids=["burst", "one-by-one"])
+async def test_batch_jobs_landing_while_a_read_waits_never_fill_the_reserved_slot(
+    redis_url: str, queue_name: str, start_worker: Any, burst: bool
+) -> None:
+    """Batch entries that land while the worker's read waits come in through the wait, the
+    take behind it and the read-ahead of a burst: together they never take the reserved
+    slot, so the worker never holds more batch jobs than its capacity less the reserve."""
+    running = await start_worker(
+        max_batch_size=4, echo_tokens_per_second=40.0, interactive_reserved_slots=1
+    )
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        prompts = [f"batch {i}" for i in range(8)]
+        if burst:  # submitted at once: the SDK marks the burst, the worker reads it ahead
+            batch = await asyncio.gather(
+                *(producer.submit(p, max_new_tokens=10, priority="batch") for p in prompts)
+            )
+        else:
+            batch = [await producer.submit(p, max_new_tokens=10, priority="batch") for p in prompts]
+        results = await asyncio.gather(*(h.result(timeout=30) for h in batch))
+    assert [r.state for r in results] == ["done"] * 8
+    assert running.worker.peak_held == 3
+
+
 async def test_a_batch_job_that_ends_under_the_reserve_is_replaced_without_waiting(
     redis_url: str, queue_name: str, start_worker: Any
 ) -> None:

@@ -38,7 +38,19 @@ def test_a_read_with_one_free_slot_waits_on_the_interactive_lane_first() -> None
     plan = policy.plan(1, {"interactive": 3, "batch": 0})
     assert plan.steps[0] == ("batch", 1)  # a batch job waiting is taken first...
     assert plan.lanes() == ["interactive", "batch"]  # ...but a wait watches interactive first
-    assert plan.less(1).total == 0
+    assert plan.after_wait(["interactive"]).total == 0
+
+
+def test_the_take_behind_a_wait_leaves_room_for_what_the_wait_brings() -> None:
+    # Four free slots, one held back for interactive jobs: the batch lane may bring three.
+    policy = LanePolicy(capacity=4, batch_min_slots=1, interactive_reserved_slots=1)
+    plan = policy.plan(4, {"interactive": 0, "batch": 0})
+    rest = plan.after_wait(plan.lanes())
+    # The wait may bring a job from each lane: the take behind it brings two at most, and
+    # the batch lane two at most of them, so the read holds three batch jobs at most.
+    assert rest.total == 2
+    assert max(cap for lane, cap in rest.steps if lane == "batch") == 2
+    assert max(cap for lane, cap in rest.steps if lane == "interactive") == 3
 
 
 def test_entry_names_carry_their_lane_and_the_batch_lane_has_its_own_stream() -> None:
