@@ -1,0 +1,3 @@
+"""Operators' tools: what a queue holds, read from Redis alone (queue_stats), exported to
+Prometheus whether or not a worker runs (exporter), shown live (top), and its dead letters
+listed, shown, replayed and purged (dead_letters). Nothing here imports the worker."""
