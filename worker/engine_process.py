@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import msgspec
 
+from exlq.logs import configure_logging
 from exlq.protocol.models import TokenChoices
 from exlq.worker import tracing
 from exlq.worker.command_pipe import FrameReader, FrameWriter, widen_pipe
@@ -210,9 +211,7 @@ def _packed(
 
 
 def _child_main(settings: WorkerSettings, commands: Connection, reports: Connection) -> None:
-    logging.basicConfig(
-        level=settings.serving.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.serving.log_level, settings.serving.log_format)
     tracing.trace_to_file(settings.serving.trace_file)  # spawned: the worker's tracer is not here
     from exlq.worker.engines import build_engine
 

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.exceptions import NoPermissionError, RedisError
 
 from exlq._version import __version__
+from exlq.logs import configure_logging
 from exlq.protocol.keys import QueueKeys
 from exlq.worker import tracing
 from exlq.worker.broker import Broker
@@ -31,7 +32,7 @@ from exlq.worker.redis_refusals import (
 from exlq.worker.runner import Worker
 from exlq.worker.settings import WorkerSettings
 
-log = logging.getLogger("exlq.worker")
+log = logging.getLogger(__name__)
 
 EXIT_CONFIG = 2
 
@@ -51,9 +52,7 @@ def redacted(url: str) -> str:
 
 def run_worker(settings: WorkerSettings) -> int:
     """Run until SIGTERM or SIGINT; returns the process exit code."""
-    logging.basicConfig(
-        level=settings.serving.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.serving.log_level, settings.serving.log_format)
     tracing.trace_to_file(settings.serving.trace_file)  # the engine process starts its own
     try:
         with _refusals_logged_once(settings):

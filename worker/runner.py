@@ -26,7 +26,7 @@ from exlq.protocol.models import (
     JobResult,
     parse_request,
 )
-from exlq.worker import tracing
+from exlq.worker import job_log, tracing
 from exlq.worker.broker import ENTRY_HEAD_BYTES, Broker, Read, StartDecision, StreamEntry
 from exlq.worker.commit_batch import Batch, Final
 from exlq.worker.engine_loop import EngineRunner, StepReport
@@ -287,16 +287,16 @@ class Worker:
                 continue
             if tracing.tracer is not None:
                 tracing.tracer.stage("job_parsed")
-            piece.take(
-                RunningJob(
-                    job_id=request.id,
-                    entry_id=entry.entry_id,
-                    request=request,
-                    channel=self.broker.keys.events(request.id),
-                    enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
-                    claimed_at=entry.claimed_at,
-                )
+            job = RunningJob(
+                job_id=request.id,
+                entry_id=entry.entry_id,
+                request=request,
+                channel=self.broker.keys.events(request.id),
+                enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
+                claimed_at=entry.claimed_at,
             )
+            job_log.job_taken(job, self.broker.keys.queue)
+            piece.take(job)
 
     async def _gather_burst(self, entries: list[StreamEntry], batch: Batch, piece: Piece) -> None:
         """Take the piece in, and read what lands behind it into the piece, up to its full
@@ -378,6 +378,7 @@ class Worker:
         """Run the job, or settle it here as its verdict says."""
         stage = self._judge(batch, piece, job, decision, now)
         if stage is RUNNING:
+            job_log.job_started(job, self.broker.keys.queue)
             self.metrics.observe_queue_wait(job.started_at - job.enqueued_at, job.lane)
             piece.run(job)
         else:
@@ -630,6 +631,7 @@ class Worker:
         self.metrics.job_completed(job.stop_reason or ended.finish_reason, job.lane)
         self.metrics.observe_duration(now - job.enqueued_at)
         self.metrics.add_prompt_tokens(ended.prompt_tokens, ended.cached_tokens)
+        job_log.job_ended(job, self.broker.keys.queue, ended, now)
 
     def _fail(self, batch: Batch, job: RunningJob, errored: JobErrored, now: float) -> None:
         log.warning("job %s failed (%s): %s", job.job_id, errored.code, errored.message)
@@ -650,6 +652,7 @@ class Worker:
             )
         )
         self.metrics.job_failed(errored.code)
+        job_log.job_ended(job, self.broker.keys.queue, errored, now)
 
     async def commit(self, batch: Batch) -> None:
         """Write a batch, retrying through Redis outages: a lost batch would lose events.

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from exlq.logs import LogFormat
 from exlq.protocol.keys import DEFAULT_PREFIX, check_name
 from exlq.worker.engines.registry import EngineSpec, LoadRequest, find
 from exlq.worker.lanes import LanePolicy
@@ -96,6 +97,7 @@ class ServingSettings(BaseSettings):
     metrics_port: int = Field(9400, ge=0, le=65535, description="0 picks a free port")
     grace_seconds: float = Field(30.0, ge=0, description="time running jobs get on SIGTERM")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: LogFormat = Field("text", description="text lines, or one JSON object a line")
     trace_file: Path | None = Field(
         None,
         description="append a JSON line for each stage of a job's path, from both of the "

@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from exlq.logs import configure_logging, parse_log_format
 from exlq.protocol.keys import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
     from exlq.producer.gateways.exllamav2_ws.server import WebSocketSettings
+
+log = logging.getLogger(__name__)
 
 
 def websocket(
@@ -55,13 +58,24 @@ def websocket(
         ),
     ] = 0,
     log_level: Annotated[str, typer.Option("--log-level", envvar="EXLQ_LOG_LEVEL")] = "INFO",
+    log_format: Annotated[
+        str,
+        typer.Option(
+            "--log-format",
+            envvar="EXLQ_LOG_FORMAT",
+            help="text, or json: one JSON object a line",
+        ),
+    ] = "text",
 ) -> None:
     """Serve exllamav2's WebSocket protocol from an exlq queue."""
     # Imported here: the exlq program starts without the gateway extra (websockets,
     # tokenizers) installed.
     from exlq.producer.gateways.exllamav2_ws.server import WebSocketSettings
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        configure_logging(log_level, parse_log_format(log_format))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
     settings = WebSocketSettings(
         queue=queue,
         redis_url=redis_url,
@@ -92,7 +106,7 @@ async def _serve_until_signal(settings: WebSocketSettings) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     async with running_gateway(settings) as server:
-        logging.getLogger(__name__).info(
+        log.info(
             "serving exllamav2's WebSocket protocol on ws://%s:%d from queue %r",
             settings.host,
             bound_port(server),

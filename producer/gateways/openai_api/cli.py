@@ -9,6 +9,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
+from exlq.logs import configure_logging
+
 # Each flag also reads EXLQ_<NAME> (GatewaySettings); a flag given wins.
 RedisUrl = Annotated[
     str | None, typer.Option("--redis-url", help="Redis to use (env EXLQ_REDIS_URL)")
@@ -56,6 +58,12 @@ MaxInFlight = Annotated[
     ),
 ]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="(env EXLQ_LOG_LEVEL)")]
+LogFormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--log-format", help="text, or json: one JSON object a line (env EXLQ_LOG_FORMAT)"
+    ),
+]
 # How long the start-up check waits for Redis's PONG.
 REDIS_CHECK_S = 5.0
 
@@ -71,6 +79,7 @@ def openai(
     max_in_flight: MaxInFlight = None,
     grace_seconds: Grace = None,
     log_level: LogLevel = None,
+    log_format: LogFormatOpt = None,
 ) -> None:
     """Serve OpenAI's HTTP API (models, completions, chat, files, batches) from exlq queues."""
     flags = {
@@ -84,6 +93,7 @@ def openai(
         "max_in_flight": max_in_flight,
         "grace_seconds": grace_seconds,
         "log_level": log_level,
+        "log_format": log_format,
     }
     settings = _settings({k: v for k, v in flags.items() if v is not None})
     _check_redis(settings.redis_url)
@@ -130,6 +140,9 @@ def _serve(settings: Any) -> None:
         from exlq.producer.gateways.openai_api.app import create_app
     except ImportError as exc:
         raise _fail(f"{exc}: install the gateway extra (pip install 'exlq[gateway]')") from None
+    # uvicorn's lines go through the gateway's own logging (log_config=None keeps uvicorn
+    # from installing its handlers), so --log-format json holds for them too.
+    configure_logging(settings.log_level, settings.log_format)
     # uvicorn's access log prints the client, the method, the path and the status: never a
     # header, so no API key reaches the log.
     # On SIGTERM uvicorn stops accepting and waits for the requests in flight, streams
@@ -139,6 +152,7 @@ def _serve(settings: Any) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        log_config=None,
         timeout_graceful_shutdown=settings.grace_seconds + 1,
     )
 

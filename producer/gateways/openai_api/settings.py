@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from exlq.logs import LogFormat
 from exlq.protocol.keys import DEFAULT_PREFIX
 
 
@@ -44,3 +45,4 @@ class GatewaySettings(BaseSettings):
         "new connections are refused",
     )
     log_level: str = "INFO"
+    log_format: LogFormat = Field("text", description="text lines, or one JSON object a line")
