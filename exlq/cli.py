@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from exlq._version import __version__
+from exlq.ops.dead_cli import dead_app
 from exlq.producer.cli import app
 from exlq.producer.gateways.cli import gateway_app
 from exlq.worker.cli import engines, up, worker
@@ -15,6 +16,7 @@ app.command(help=worker.__doc__)(worker)
 app.command(help=up.__doc__)(up)
 app.command(help=engines.__doc__)(engines)
 app.add_typer(gateway_app)
+app.add_typer(dead_app)
 
 
 def _print_version(asked: bool) -> None:
