@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from exlq._version import __version__
+from exlq.ops.queue_commands import exporter, top
 from exlq.producer.cli import app
 from exlq.producer.gateways.cli import gateway_app
 from exlq.worker.cli import engines, up, worker
@@ -14,6 +15,8 @@ from exlq.worker.cli import engines, up, worker
 app.command(help=worker.__doc__)(worker)
 app.command(help=up.__doc__)(up)
 app.command(help=engines.__doc__)(engines)
+app.command(help=exporter.__doc__)(exporter)
+app.command(help=top.__doc__)(top)
 app.add_typer(gateway_app)
 
 
