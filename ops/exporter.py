@@ -17,17 +17,22 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import make_server
 
 import redis.asyncio as aioredis
 from prometheus_client import make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 from redis.exceptions import RedisError
 
 from exlq.ops.queue_stats import QueueReader, QueueStats
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+else:  # prometheus_client before 0.14 has no Collector base: a registry takes any collect()
+    Collector = object
 
 log = logging.getLogger(__name__)
 
