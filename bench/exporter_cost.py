@@ -62,8 +62,8 @@ def deliver(url: str, read: int, unacked: int) -> None:
     """Read ``read`` entries; ack all but the first ``unacked``; trim as a worker does."""
     client = redis.Redis.from_url(url)
     stream = QueueKeys(QUEUE).jobs
-    taken = client.xreadgroup(CONSUMER_GROUP, "bench-worker", {stream: ">"}, count=read)
-    ids = [entry_id for entry_id, _ in taken[0][1]]  # type: ignore[index]
+    taken: Any = client.xreadgroup(CONSUMER_GROUP, "bench-worker", {stream: ">"}, count=read)
+    ids = [entry_id for entry_id, _ in taken[0][1]]
     for start in range(unacked, len(ids), 10_000):
         client.xack(stream, CONSUMER_GROUP, *ids[start : start + 10_000])
     client.xtrim(stream, minid=ids[0], approximate=False)
