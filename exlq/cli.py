@@ -8,6 +8,7 @@ import typer
 
 from exlq._version import __version__
 from exlq.ops.dead_cli import dead_app
+from exlq.ops.queue_commands import exporter, top
 from exlq.producer.cli import app
 from exlq.producer.gateways.cli import gateway_app
 from exlq.worker.cli import engines, up, worker
@@ -15,6 +16,8 @@ from exlq.worker.cli import engines, up, worker
 app.command(help=worker.__doc__)(worker)
 app.command(help=up.__doc__)(up)
 app.command(help=engines.__doc__)(engines)
+app.command(help=exporter.__doc__)(exporter)
+app.command(help=top.__doc__)(top)
 app.add_typer(gateway_app)
 app.add_typer(dead_app)
 
