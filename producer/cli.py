@@ -16,6 +16,7 @@ from exlq.producer.client import AsyncProducer
 from exlq.producer.errors import ExlqError
 from exlq.protocol.keys import DEFAULT_PREFIX
 from exlq.protocol.models import DoneEvent, ErrorEvent, RequeuedEvent, TokenEvent, json_schemas
+from exlq.protocol.redis_credentials import RedisCredentials
 
 app = typer.Typer(
     name="exlq",
@@ -150,7 +151,11 @@ async def _submit(
     options: _SubmitOptions,
 ) -> None:
     async with AsyncProducer(
-        redis_url, queue=queue, prefix=prefix, wait_for_worker=options.wait_for_worker
+        redis_url,
+        queue=queue,
+        prefix=prefix,
+        wait_for_worker=options.wait_for_worker,
+        credentials=RedisCredentials(),  # EXLQ_REDIS_PASSWORD: never a flag, seen by ps
     ) as producer:
         handle = await producer.submit(prompt, **fields)
         typer.echo(f"job {handle.id}{' (submitted before)' if handle.duplicate else ''}", err=True)
@@ -197,7 +202,9 @@ def status(
     """Print a job's state."""
 
     async def go() -> None:
-        async with AsyncProducer(redis_url, queue=queue, prefix=prefix) as producer:
+        async with AsyncProducer(
+            redis_url, queue=queue, prefix=prefix, credentials=RedisCredentials()
+        ) as producer:
             found = await producer.status(job_id)
             if found is None:
                 raise _fail(f"no job {job_id!r} in queue {queue!r} (unknown, or expired)")
@@ -213,7 +220,9 @@ def result(
     """Print a job's stored result as JSON."""
 
     async def go() -> None:
-        async with AsyncProducer(redis_url, queue=queue, prefix=prefix) as producer:
+        async with AsyncProducer(
+            redis_url, queue=queue, prefix=prefix, credentials=RedisCredentials()
+        ) as producer:
             found = await producer.get_result(job_id)
             if found is None:
                 raise _fail(f"no result for job {job_id!r} yet (still running, unknown or expired)")
@@ -229,7 +238,9 @@ def cancel(
     """Ask for a job to stop."""
 
     async def go() -> None:
-        async with AsyncProducer(redis_url, queue=queue, prefix=prefix) as producer:
+        async with AsyncProducer(
+            redis_url, queue=queue, prefix=prefix, credentials=RedisCredentials()
+        ) as producer:
             state = await producer.cancel(job_id)
             if not state:
                 raise _fail(f"no job {job_id!r} in queue {queue!r}")

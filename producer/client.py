@@ -44,6 +44,7 @@ from exlq.protocol.models import (
     parse_event,
 )
 from exlq.protocol.packed_ids import PackedIds
+from exlq.protocol.redis_credentials import RedisCredentials
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +375,7 @@ class AsyncProducer:
         pack_ids: bool = False,
         wait_for_worker: bool = False,
         worker_stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        credentials: RedisCredentials | None = None,
     ) -> None:
         """A job that has heard nothing WORKER_CHECK_S after its submit, and every
         RESULT_POLL_S after that until it starts, is checked against the workers'
@@ -394,7 +396,11 @@ class AsyncProducer:
         string instead of a JSON number per id, so neither the SDK nor the worker makes a
         Python int of each id (docs/PERFORMANCE.md, "The way back, and Redis (always on)").
         Turn it on once every worker on the queue runs an exlq that reads the field: an
-        older worker refuses such a job, with an error event that names the field."""
+        older worker refuses such a job, with an error event that names the field.
+
+        ``credentials`` log the connections in, over the URL's user and password (which a
+        URL needs percent-encoded); ``RedisCredentials()`` reads EXLQ_REDIS_USERNAME and
+        EXLQ_REDIS_PASSWORD. Unused with ``client``, which comes logged in."""
         self.keys = QueueKeys(queue=queue, prefix=prefix)
         self.max_backlog = max_backlog
         self.pack_ids = pack_ids
@@ -407,6 +413,8 @@ class AsyncProducer:
             pool = aioredis.BlockingConnectionPool.from_url(
                 redis_url, max_connections=max(max_connections, 1), timeout=None
             )
+            if credentials is not None:  # e.g. RedisCredentials(): EXLQ_REDIS_PASSWORD
+                credentials.apply_to(pool)
             pack_in_c(pool)
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client

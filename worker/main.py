@@ -14,6 +14,7 @@ from redis.exceptions import NoPermissionError, RedisError
 from exlq._version import __version__
 from exlq.logs import configure_logging
 from exlq.protocol.keys import QueueKeys
+from exlq.protocol.redis_credentials import use_credentials
 from exlq.worker import tracing
 from exlq.worker.broker import Broker
 from exlq.worker.engine_loop import EngineLoop, EngineRunner
@@ -89,6 +90,7 @@ async def serve(settings: WorkerSettings) -> int:
         dead_max_len=redis.dead_stream_max_len,
         max_entry_bytes=settings.limits.max_request_bytes,
     )
+    use_credentials(broker.client.connection_pool, redis.redis_username, redis.redis_password)
     try:
         await _check_redis(broker, redis.redis_url)
         await _check_access(broker, redis.redis_url)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exlq.logs import LogFormat
@@ -39,6 +39,14 @@ class BrokerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXLQ_", extra="forbid", frozen=True)
 
     redis_url: str = "redis://localhost:6379/0"
+    redis_username: str | None = Field(
+        None, description="Redis ACL user; overrides the URL's (exlq/protocol/redis_credentials)"
+    )
+    redis_password: SecretStr | None = Field(
+        None,
+        description="Redis password, as it is (no percent-encoding); overrides the URL's. "
+        "Empty: none",
+    )
     queue: str | None = Field(None, description="queue name; defaults to the model's name")
     prefix: str = DEFAULT_PREFIX
     consumer_name: str = Field(default_factory=default_consumer_name)

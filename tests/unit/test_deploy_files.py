@@ -30,6 +30,7 @@ from exlq.producer.gateways.openai_api import app as openai_app
 from exlq.producer.gateways.openai_api.auth import load_keys
 from exlq.producer.gateways.openai_api.batch_settings import BatchSettings
 from exlq.producer.gateways.openai_api.settings import GatewaySettings
+from exlq.protocol.redis_credentials import RedisCredentials
 from exlq.worker.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +166,8 @@ def gateway_variables(gateway: Gateway) -> set[str]:
             for field in group.model_fields
         }
     envvars = {p.envvar for p in _gateway_command(gateway.command).params}
-    return {name for name in envvars if isinstance(name, str)}
+    credentials = {f"EXLQ_REDIS_{field.upper()}" for field in RedisCredentials.model_fields}
+    return {name for name in envvars if isinstance(name, str)} | credentials
 
 
 def _ping_timeout(gateway: Gateway) -> float:
@@ -418,9 +420,7 @@ def test_k8s_gateways_reach_redis_as_the_worker_does() -> None:
         assert {k: v for k, v in env.items() if "REDIS" in k} == wanted, gateway.name
         # $(...) expands only variables listed before it.
         names = list(env)
-        assert names.index("EXLQ_REDIS_URL") > max(
-            names.index("REDIS_ADDRESS"), names.index("REDIS_PASSWORD")
-        )
+        assert names.index("EXLQ_REDIS_URL") > names.index("REDIS_ADDRESS")
 
 
 def test_no_secret_is_inlined() -> None:
@@ -486,3 +486,167 @@ def test_kustomization_ships_the_gateways_and_names_their_image() -> None:
         assert files, f"{gateway.name} is in no resource of kustomization.yaml"
         image = _container(gateway)["image"].split(":")[0]
         assert image in images
+
+
+# ------------------------------------------------------------- schemas, exporter, password
+# Every manifest kustomize applies is valid for its kind: Kubernetes' own kinds against the
+# API's schemas (kubernetes-validate, offline, one pinned version), KEDA's against its CRDs'
+# schemas (vendored in tests/schemas/ from KEDA v2.20.2), the compose file against the
+# Compose Specification (as check-jsonschema ships it). Strict: a misspelt field fails.
+
+K8S_VERSION = "1.30.0"
+SCHEMAS = ROOT / "tests/schemas"
+_KEDA_KINDS = {"ScaledObject", "TriggerAuthentication"}
+
+
+def _rendered() -> list[dict[str, Any]]:
+    """What `kubectl kustomize deploy/kubernetes` applies, for what is checked here: the
+    objects of every file in its resources, with its image names and tags set."""
+    root = ROOT / "deploy/kubernetes"
+    kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
+    images = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in kustomization["images"]}
+    objects = [
+        doc
+        for resource in kustomization["resources"]
+        for doc in yaml.safe_load_all((root / resource).read_text())
+        if doc
+    ]
+    for obj in objects:
+        if obj["kind"] == "Deployment":
+            for container in obj["spec"]["template"]["spec"]["containers"]:
+                container["image"] = images[container["image"].split(":")[0]]
+    return objects
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with no property left open that it does not name (as the API server's
+    strict field validation): KEDA's CRDs allow any, and prune what they do not know."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if (
+        "properties" in closed
+        and "additionalProperties" not in closed
+        and not closed.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _keda_schema(kind: str) -> dict[str, Any]:
+    schema = json.loads((SCHEMAS / f"keda-{kind.lower()}-v1alpha1.json").read_text())
+    return cast(dict[str, Any], _closed(schema))
+
+
+def test_every_kubernetes_object_is_valid_for_its_kind() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    objects = _rendered()
+    assert {o["kind"] for o in objects} >= {"Deployment", "PodDisruptionBudget", *_KEDA_KINDS}
+    for obj in objects:
+        if obj["kind"] in _KEDA_KINDS:
+            continue
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_keda_objects_are_valid_for_kedas_crds() -> None:
+    import jsonschema
+
+    checked = 0
+    for obj in _rendered():
+        if obj["kind"] in _KEDA_KINDS:
+            assert obj["apiVersion"] == "keda.sh/v1alpha1"
+            jsonschema.validate(obj, _keda_schema(obj["kind"]))
+            checked += 1
+    assert checked == 2
+
+
+def test_a_misspelt_keda_field_is_caught() -> None:
+    """The check above can fail: KEDA's schema, closed, refuses a field it does not name."""
+    import jsonschema
+
+    scaled = next(o for o in _rendered() if o["kind"] == "ScaledObject")
+    scaled["spec"]["minReplicas"] = 1  # minReplicaCount, misspelt
+    with pytest.raises(jsonschema.ValidationError, match="minReplicas"):
+        jsonschema.validate(scaled, _keda_schema("ScaledObject"))
+
+
+def test_compose_file_is_valid_for_the_compose_specification() -> None:
+    pytest.importorskip("check_jsonschema")
+    import importlib.resources
+
+    import jsonschema
+
+    vendored = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+    schema = json.loads((vendored / "compose-spec.json").read_text())
+    jsonschema.validate(_compose(), schema)
+
+
+def test_keda_owns_the_worker_count_and_drains_take_one_at_a_time() -> None:
+    objects = _k8s_objects()
+    worker = objects["Deployment", "exlq-worker"]
+    assert "replicas" not in worker["spec"]
+    assert objects["ScaledObject", "exlq-worker"]["spec"]["scaleTargetRef"]["name"] == "exlq-worker"
+    budget = objects["PodDisruptionBudget", "exlq-worker"]["spec"]
+    assert budget["maxUnavailable"] == 1
+    assert budget["selector"]["matchLabels"] == worker["spec"]["selector"]["matchLabels"]
+
+
+def test_one_secret_holds_the_password_for_keda_and_every_exlq_pod() -> None:
+    """KEDA and exlq read the same key of the same Secret, raw; no URL carries a password."""
+    objects = _k8s_objects()
+    (ref,) = objects["TriggerAuthentication", "exlq-redis"]["spec"]["secretTargetRef"]
+    secret = (ref["name"], ref["key"])
+    assert ref["parameter"] == "password"
+    for name in ("exlq-worker", *(g.name for g in GATEWAYS), "exlq-exporter"):
+        pod = objects["Deployment", name]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = _env(container)
+        key = env["EXLQ_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert (key["name"], key["key"]) == secret, name
+        assert env["EXLQ_REDIS_URL"]["value"] == "redis://$(REDIS_ADDRESS)/0", name
+        assert "REDIS_PASSWORD" not in env, name
+    compose = _compose()
+    for name, service in compose["services"].items():
+        environment = service.get("environment") or {}
+        if "EXLQ_REDIS_URL" in environment:
+            assert "@" not in environment["EXLQ_REDIS_URL"], name
+            assert "EXLQ_REDIS_PASSWORD" in environment["EXLQ_REDIS_PASSWORD"], name
+    redis_command = compose["services"]["redis"]["command"]
+    assert redis_command[redis_command.index("--requirepass") + 1].startswith(
+        "${EXLQ_REDIS_PASSWORD:?"
+    )
+    conf = (ROOT / "deploy/redis/redis.conf").read_text()
+    assert re.search(r"^protected-mode yes$", conf, re.MULTILINE)
+
+
+EXPORTER_PORT = 9410  # `exlq exporter`'s default port, checked below where it is installed
+
+
+def test_the_exporter_runs_its_command_on_its_port_in_the_smallest_image() -> None:
+    port = EXPORTER_PORT
+    (deployment,) = [o for o in _rendered() if o["metadata"]["name"] == "exlq-exporter"]
+    assert deployment["spec"]["replicas"] == 1
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["exporter", "--port", str(port)]
+    assert container["image"] == "exlq-worker:lite"  # the base install: no gateway extra
+    assert [p["containerPort"] for p in container["ports"]] == [port]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    service = _compose()["services"]["exporter"]
+    assert service["command"] == ["exporter", "--port", str(port)]
+    assert service["build"]["target"] == "lite"
+    assert _compose_healthcheck(service) == (port, "/healthz")
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    assert jobs["exlq-exporter"]["static_configs"][0]["targets"] == [f"exporter:{port}"]
+    assert jobs["exlq-redis"]["dns_sd_configs"][0]["names"] == ["redis-exporter"]
+
+
+def test_the_exporter_command_listens_where_the_deploy_files_say() -> None:
+    import inspect
+
+    commands = pytest.importorskip("exlq.ops.queue_commands")
+    exporter = inspect.signature(commands.exporter).parameters
+    assert exporter["port"].default == EXPORTER_PORT

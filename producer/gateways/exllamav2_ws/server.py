@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from exlq.producer.gateways.exllamav2_ws.tokens import ModelTokenizer
 from exlq.producer.worker_watch import DEFAULT_STALE_AFTER_S
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.keys import DEFAULT_PREFIX, check_name
+from exlq.protocol.redis_credentials import RedisCredentials
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ PING_TIMEOUT_S = 2.0
 class WebSocketSettings:
     queue: str
     redis_url: str = "redis://localhost:6379/0"
+    # EXLQ_REDIS_USERNAME / EXLQ_REDIS_PASSWORD: they override the URL's.
+    redis_credentials: RedisCredentials = field(default_factory=RedisCredentials)
     prefix: str = DEFAULT_PREFIX
     host: str = "127.0.0.1"
     port: int = 7862  # exllamav2's example server's port
@@ -80,6 +83,7 @@ async def running_gateway(settings: WebSocketSettings) -> AsyncIterator[Server]:
     if settings.tokenizer_dir is not None:
         tokenizer = ModelTokenizer.load(settings.tokenizer_dir)
     pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, timeout=None)
+    settings.redis_credentials.apply_to(pool)
     pack_in_c(pool)
     redis = aioredis.Redis(connection_pool=pool)
     producer = AsyncProducer(

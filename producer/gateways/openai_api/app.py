@@ -51,6 +51,7 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
             prefix=settings.prefix,
             worker_stale_after_s=settings.worker_stale_after_s,
             max_backlog=settings.max_backlog,
+            credentials=settings.redis_credentials,
         )
         app.state.pool = pool
         app.state.model_check = ModelCheck(pool)

@@ -96,7 +96,7 @@ def openai(
         "log_format": log_format,
     }
     settings = _settings({k: v for k, v in flags.items() if v is not None})
-    _check_redis(settings.redis_url)
+    _check_redis(settings.redis_url, settings.redis_credentials)
     _serve(settings)
 
 
@@ -112,7 +112,7 @@ def _settings(flags: dict[str, Any]) -> Any:
         raise _fail(describe_validation_error(exc)) from None
 
 
-def _check_redis(url: str) -> None:
+def _check_redis(url: str, credentials: Any) -> None:
     """One PING before serving: a gateway that cannot reach Redis says so and stops."""
     import redis
     from redis.exceptions import AuthenticationError, RedisError
@@ -120,6 +120,7 @@ def _check_redis(url: str) -> None:
     client = redis.Redis.from_url(
         url, socket_connect_timeout=REDIS_CHECK_S, socket_timeout=REDIS_CHECK_S
     )
+    credentials.apply_to(client.connection_pool)
     try:
         client.ping()
     except AuthenticationError as exc:

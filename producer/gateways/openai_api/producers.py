@@ -11,6 +11,7 @@ from exlq.producer.client import AsyncProducer
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.heartbeat import live_times
 from exlq.protocol.keys import QueueKeys, check_name
+from exlq.protocol.redis_credentials import RedisCredentials
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +34,13 @@ class ProducerPool:
         worker_stale_after_s: float,
         max_backlog: int = 0,
         max_connections: int = 64,
+        credentials: RedisCredentials | None = None,
     ) -> None:
         pool = aioredis.BlockingConnectionPool.from_url(
             redis_url, max_connections=max_connections, timeout=None
         )
+        if credentials is not None:
+            credentials.apply_to(pool)
         pack_in_c(pool)
         self.redis = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exlq.logs import LogFormat
 from exlq.protocol.keys import DEFAULT_PREFIX
+from exlq.protocol.redis_credentials import RedisCredentials
 
 
 class GatewaySettings(BaseSettings):
@@ -17,6 +18,10 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXLQ_", extra="forbid", frozen=True)
 
     redis_url: str = "redis://localhost:6379/0"
+    redis_username: str | None = Field(None, description="Redis ACL user; overrides the URL's")
+    redis_password: SecretStr | None = Field(
+        None, description="Redis password, as it is (no percent-encoding); overrides the URL's"
+    )
     prefix: str = DEFAULT_PREFIX
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -46,3 +51,7 @@ class GatewaySettings(BaseSettings):
     )
     log_level: str = "INFO"
     log_format: LogFormat = Field("text", description="text lines, or one JSON object a line")
+
+    @property
+    def redis_credentials(self) -> RedisCredentials:
+        return RedisCredentials(username=self.redis_username, password=self.redis_password)
