@@ -26,6 +26,7 @@ from exlq.ops.dead_letters import (
     resolve_queue,
 )
 from exlq.protocol.keys import DEFAULT_PREFIX
+from exlq.protocol.redis_credentials import RedisCredentials
 
 dead_app = typer.Typer(
     name="dead",
@@ -67,6 +68,7 @@ def _queue(redis_url: str, prefix: str, queue: str | None) -> Iterator[DeadLette
     client = redis.Redis.from_url(
         redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
     )
+    RedisCredentials().apply_to(client.connection_pool)
     try:
         yield DeadLetters(client, resolve_queue(client, prefix, queue))
     except (DeadLetterError, ValueError) as exc:

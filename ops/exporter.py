@@ -28,6 +28,7 @@ from prometheus_client.registry import CollectorRegistry
 from redis.exceptions import RedisError
 
 from exlq.ops.queue_stats import QueueReader, QueueStats
+from exlq.protocol.redis_credentials import RedisCredentials
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -165,6 +166,7 @@ class Exporter:
         self.client = aioredis.Redis.from_url(
             redis_url, socket_timeout=scrape_timeout_s, socket_connect_timeout=scrape_timeout_s
         )
+        RedisCredentials().apply_to(self.client.connection_pool)
         self.source = QueueSource(QueueReader(self.client, prefix), tuple(queues))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(QueueCollector(self._read_from_thread, scrape_timeout_s))

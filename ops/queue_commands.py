@@ -11,6 +11,7 @@ import typer
 from redis.exceptions import RedisError
 
 from exlq.protocol.keys import DEFAULT_PREFIX, check_name
+from exlq.protocol.redis_credentials import RedisCredentials
 
 RedisUrl = Annotated[
     str, typer.Option("--redis-url", envvar="EXLQ_REDIS_URL", help="Redis to read")
@@ -88,6 +89,7 @@ async def _top(
     from exlq.ops.top import watch
 
     client = aioredis.Redis.from_url(redis_url)
+    RedisCredentials().apply_to(client.connection_pool)
     try:
         await watch(QueueReader(client, prefix), queues, interval_s, once)
     finally:
