@@ -191,9 +191,9 @@ async def _check_access(broker: Broker, url: str) -> None:
 
 
 async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Broker) -> int:
-    metrics = Metrics(settings.queue_name)
     model = settings.serving.model
-    metrics.info(__version__, engine.name, model.name if model else "", engine.info)
+    metrics = Metrics(settings.queue_name, model.name if model else "")
+    metrics.info(__version__, engine.name, engine.info)
     worker = Worker(settings, engine, broker, metrics)
     host, port = settings.serving.metrics_host, settings.serving.metrics_port
     try:

@@ -601,6 +601,9 @@ class Worker:
             return
         if isinstance(output, JobEnded):
             self._finish(batch, job, output, now)
+            self.metrics.job_tokens(
+                output.prompt_tokens, output.completion_tokens, output.cached_tokens
+            )
         else:
             self._fail(batch, job, output, now)
 
@@ -630,7 +633,6 @@ class Worker:
         )
         self.metrics.job_completed(job.stop_reason or ended.finish_reason, job.lane)
         self.metrics.observe_duration(now - job.enqueued_at)
-        self.metrics.add_prompt_tokens(ended.prompt_tokens, ended.cached_tokens)
         job_log.job_ended(job, self.broker.keys.queue, ended, now)
 
     def _fail(self, batch: Batch, job: RunningJob, errored: JobErrored, now: float) -> None:

@@ -88,7 +88,7 @@ class RunningJob:
         usage = Usage(
             prompt_tokens=ended.prompt_tokens,
             completion_tokens=ended.completion_tokens,
-            cached_tokens=ended.cached_tokens,
+            cached_tokens=ended.cached_tokens or 0,
         )
         timings = self.timings(now)
         event = DoneEvent(

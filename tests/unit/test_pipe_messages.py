@@ -136,7 +136,7 @@ outputs = st.one_of(
         finish_reason=st.sampled_from(["stop", "length", "cancelled", "expired"]),
         prompt_tokens=counts,
         completion_tokens=counts,
-        cached_tokens=counts,
+        cached_tokens=st.none() | counts,
     ),
     st.builds(JobErrored, job_id=job_ids, code=texts, message=texts),
 )

@@ -21,8 +21,8 @@ def _info_line(metrics: Metrics) -> str:
 
 
 def test_worker_info_carries_the_version_engine_model_and_the_engines_own_labels() -> None:
-    metrics = Metrics("q")
-    metrics.info(__version__, "exllamav2", "llama", {"attention": "exlq", "decode_graphs": "off"})
+    metrics = Metrics("q", "llama")
+    metrics.info(__version__, "exllamav2", {"attention": "exlq", "decode_graphs": "off"})
     line = _info_line(metrics)
     for label in (
         'queue="q"',

@@ -29,7 +29,10 @@ class JobEnded(msgspec.Struct, array_like=True, gc=False, tag=1):
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0
+    # Prompt tokens found in the prefix cache; None where the job's prompt was not looked
+    # up in one (the engine has none, or the job ended before its prefill), so that the
+    # prefix cache metrics count only real lookups.
+    cached_tokens: int | None = None
 
 
 class JobErrored(msgspec.Struct, array_like=True, gc=False, tag=2):
