@@ -1,7 +1,7 @@
 """`exlq exporter` against a real redis-server: a backlog with no worker is visible (and the
-"no live worker while backlog" alert fires on it), a worker drains it, a Redis that is down
-or silent gives redis_up 0 within the scrape timeout; and the waiting count the Lua path
-computes (Redis 6.2) equals the lag Redis 7 keeps."""
+shipped "no live worker" alert fires on it, as promtool evaluates it), a worker drains it,
+a Redis that is down or silent gives redis_up 0 within the scrape timeout; and the waiting
+count the Lua path computes (Redis 6.2) equals the lag Redis 7 keeps."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ from exlq.ops.queue_stats import QueueReader
 from exlq.producer import AsyncProducer
 from exlq.protocol.keys import CONSUMER_GROUP, LANES, QueueKeys
 from exlq.worker.embedded_redis import RedisServer, free_port
+from tests.conftest import worker_process
+from tests.monitoring import Sample, assert_alert_fires_for, family, names_used
 
 pytestmark = pytest.mark.integration
 
@@ -39,8 +42,8 @@ async def scrape(port: int) -> Samples:
     status, text = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/metrics")
     assert status == 200
     samples: Samples = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
+    for metric in text_string_to_metric_families(text):
+        for sample in metric.samples:
             samples[sample.name].append((sample.labels, sample.value))
     return samples
 
@@ -50,16 +53,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     found = [v for have, v in samples[name] if labels.items() <= have.items()]
     assert found, f"no {name}{labels}"
     return sum(found)
-
-
-def no_worker_while_backlog(samples: Samples) -> set[str]:
-    """The queues for which the alert expression is true:
-    exlq_queue_workers_live == 0 and on(queue) sum by (queue)(exlq_queue_waiting) > 0"""
-    waiting: dict[str, float] = defaultdict(float)
-    for labels, v in samples["exlq_queue_waiting"]:
-        waiting[labels["queue"]] += v
-    idle = {labels["queue"] for labels, v in samples["exlq_queue_workers_live"] if v == 0}
-    return {queue for queue in idle if waiting.get(queue, 0) > 0}
 
 
 @pytest.fixture
@@ -112,7 +105,6 @@ async def test_a_backlog_without_workers_shows_and_a_worker_drains_it(
         assert value(samples, "exlq_queue_oldest_waiting_seconds", **q, lane="interactive") > 0
         assert value(samples, "exlq_queue_oldest_pending_seconds", **q) == 0
         assert value(samples, "exlq_exporter_scrape_duration_seconds") > 0
-        assert queue_name in no_worker_while_backlog(samples)
 
         running = await start_worker()
         results = await asyncio.gather(*(handle.result(timeout=30) for handle in handles))
@@ -129,7 +121,58 @@ async def test_a_backlog_without_workers_shows_and_a_worker_drains_it(
     assert value(samples, "exlq_queue_capacity", **q) == running.worker.capacity == 8
     assert value(samples, "exlq_queue_oldest_waiting_seconds", **q) == 0
     assert value(samples, "exlq_queue_dead_letters", **q) == 0
-    assert queue_name not in no_worker_while_backlog(samples)
+
+
+def _of_queue(samples: Samples, queue: str) -> list[Sample]:
+    """The scrape's samples of ``queue``, and those of no queue (the exporter's own)."""
+    return [
+        (name, labels, v)
+        for name, rows in samples.items()
+        for labels, v in rows
+        if labels.get("queue", queue) == queue
+    ]
+
+
+async def test_the_alert_rules_and_the_dashboard_work_on_live_series(
+    redis_url: str, queue_name: str, serve_exporter: Any, tmp_path: Path
+) -> None:
+    """The shipped rules, evaluated by promtool on what `exlq exporter` and an `exlq worker`
+    process serve: a backlog with no live worker is ExlqQueueUnserved, a served one is not;
+    and every metric the dashboard and the rules ask for is in the two live scrapes."""
+    exporter = await serve_exporter(redis_url)
+    keys = QueueKeys(queue_name)
+    client = aioredis.Redis.from_url(redis_url)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handles = [await producer.submit(f"job {i}", max_new_tokens=2) for i in range(100)]
+        await client.xadd(keys.jobs, {"job": "not json"})  # a job that fails
+        await client.aclose()
+        unserved = _of_queue(await scrape(exporter.port), queue_name)
+        metrics_port = free_port()
+        worker = worker_process(
+            redis_url, queue_name, "--engine", "echo", "--metrics-port", str(metrics_port)
+        )
+        try:
+            await asyncio.gather(*(handle.result(timeout=60) for handle in handles))
+            q = {"queue": queue_name}
+            served = await poll_scrape(
+                exporter.port,
+                lambda s: (
+                    value(s, "exlq_queue_workers_live", **q) == 1
+                    and value(s, "exlq_queue_waiting", **q) + value(s, "exlq_queue_pending", **q)
+                    == 0
+                ),
+            )
+            _, worker_page = await asyncio.to_thread(
+                _get, f"http://127.0.0.1:{metrics_port}/metrics"
+            )
+        finally:
+            worker.terminate()
+            worker.communicate(timeout=30)
+    assert_alert_fires_for("ExlqQueueUnserved", unserved, {queue_name}, tmp_path)
+    assert_alert_fires_for("ExlqQueueUnserved", _of_queue(served, queue_name), set(), tmp_path)
+    live = {family(name) for name in served}
+    live |= {family(x.name) for f in text_string_to_metric_families(worker_page) for x in f.samples}
+    assert names_used() - live == set()
 
 
 async def test_a_queue_named_is_shown_before_it_has_keys(

@@ -24,6 +24,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 import exlq.cli  # noqa: F401 (it adds the worker's and the gateways' commands to the app)
+from exlq.ops.exporter import QueueCollector
 from exlq.producer.cli import app as exlq_app
 from exlq.producer.gateways.exllamav2_ws import server as ws_server
 from exlq.producer.gateways.openai_api import app as openai_app
@@ -32,10 +33,9 @@ from exlq.producer.gateways.openai_api.batch_settings import BatchSettings
 from exlq.producer.gateways.openai_api.settings import GatewaySettings
 from exlq.protocol.redis_credentials import RedisCredentials
 from exlq.worker.metrics import Metrics
+from tests.monitoring import family, names_used
 
 ROOT = Path(__file__).resolve().parents[2]
-_METRIC = re.compile(r"\bexlq_[a-z_]+")
-_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 def exported_names() -> set[str]:
@@ -51,42 +51,17 @@ def exported_names() -> set[str]:
     }
 
 
-# What `exlq exporter` exports (queue series read from Redis, and its own health): fixed
-# names, listed here until the exporter (exlq.ops.exporter) is on this branch to import.
-EXPORTER_METRICS = frozenset(
-    {
-        "exlq_queue_length",
-        "exlq_queue_waiting",
-        "exlq_queue_pending",
-        "exlq_queue_oldest_waiting_seconds",
-        "exlq_queue_oldest_pending_seconds",
-        "exlq_queue_dead_letters",
-        "exlq_queue_workers_live",
-        "exlq_queue_capacity",
-        "exlq_queue_running",
-        "exlq_exporter_redis_up",
-        "exlq_exporter_scrape_duration_seconds",
-    }
-)
-
-
-def _base(name: str) -> str:
-    for suffix in _SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+def exporter_names() -> set[str]:
+    """The families `exlq exporter` serves (here from a collection that read no queue)."""
+    return {f.name for f in QueueCollector(lambda _timeout: [], 1.0).collect()}
 
 
 def test_dashboard_and_alerts_use_exported_metrics() -> None:
     """Every exlq metric a panel, a template variable or an alert asks for is one the worker
-    or the exporter exports: a renamed metric leaves no panel silently empty."""
-    exported = {_base(n) for n in exported_names()} | EXPORTER_METRICS
-    dashboard = json.loads((ROOT / "grafana/dashboards/exlq-overview.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
-    rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
-    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
-    asked = {_base(m) for e in exprs for m in _METRIC.findall(e)}
+    or the exporter exports: a renamed metric leaves no panel silently empty. (The same
+    check against live scrapes: tests/integration/test_monitoring_live.py.)"""
+    exported = {family(n) for n in exported_names() | exporter_names()}
+    asked = names_used()
     assert asked, "no exlq metrics found in the dashboard or rules"
     assert asked <= exported, f"not exported: {sorted(asked - exported)}"
 
