@@ -5,6 +5,7 @@ out of attempts, an entry that is not JSON) are listed, shown, replayed to a run
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from typing import Any
 
@@ -21,9 +22,18 @@ JOB = "dead-1"
 REQUEST = json.dumps({"id": JOB, "prompt": "hello there", "max_new_tokens": 4})
 
 
+def _runner() -> CliRunner:
+    """A runner that keeps stderr apart: click before 8.2 (the SDK's floor runs 8.1) mixes
+    it into stdout unless told not to; 8.2 and later always keep it apart."""
+    separate: dict[str, Any] = {}
+    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters:
+        separate["mix_stderr"] = False
+    return CliRunner(**separate)
+
+
 async def _exlq(redis_url: str, *args: str, stdin: str | None = None) -> Result:
     """The `exlq` command, off the event loop: the worker under test runs on it."""
-    runner = CliRunner()
+    runner = _runner()
     return await asyncio.to_thread(
         runner.invoke, app, [*args, "--redis-url", redis_url], input=stdin
     )
