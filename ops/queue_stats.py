@@ -43,8 +43,8 @@ DEFAULT_STALE_AFTER_S = 30.0
 # KEYS: each lane's stream, in LANES's order, then the dead stream.
 # ARGV: the consumer group, the head-count cap, 1 to count even where XINFO gives a lag.
 # Returns one row per lane: {length, has_group (0/1), waiting, waiting_exact (0/1), pending,
-# oldest pending id or '', first waiting id or '', entries read or -1}, then the dead
-# stream's length, then Redis's TIME.
+# oldest pending id or '', first waiting id or ''}, then the dead stream's length, then
+# Redis's TIME.
 QUEUE_STATS_LUA = """
 local group, cap, force_count = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local CHUNK = 500
@@ -99,9 +99,7 @@ local function lane(stream)
       exact = complete and 1 or 0
     end
   end
-  local read = info['entries-read']
-  return {length, 1, waiting, exact, pending[1], oldest_pending, first_waiting,
-          type(read) == 'number' and read or -1}
+  return {length, 1, waiting, exact, pending[1], oldest_pending, first_waiting}
 end
 
 local rows = {}
@@ -124,13 +122,6 @@ class LaneStats:
     pending: int  # read by a worker, not yet acked
     oldest_waiting_s: float  # since the oldest waiting entry was added; 0 when none waits
     oldest_pending_s: float  # since the oldest pending entry was added; 0 when none
-    entries_read: int | None  # the group's count of entries ever read (Redis >= 7)
-
-    @property
-    def finished(self) -> int | None:
-        """Entries read and acked since the group began (Redis >= 7): successive reads give
-        the rate of finished jobs (failures and dead letters included)."""
-        return None if self.entries_read is None else self.entries_read - self.pending
 
 
 @dataclass(frozen=True)
@@ -144,6 +135,10 @@ class WorkerBeat:
     load: int
     ready: bool
     last_seen: float  # Unix seconds, the worker's clock
+    # Over the interval before this heartbeat; None until its second one (or a worker
+    # that does not write them).
+    jobs_per_s: float | None = None
+    tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +166,16 @@ class QueueStats:
     @property
     def pending(self) -> int:
         return sum(lane.pending for lane in self.lanes)
+
+    @property
+    def jobs_per_s(self) -> float | None:
+        """Jobs the live workers ended per second (done or failed), from their heartbeats;
+        None where none of them says."""
+        return _total(worker.jobs_per_s for worker in self.workers)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return _total(worker.tokens_per_s for worker in self.workers)
 
 
 class QueueReader:
@@ -259,7 +264,7 @@ def entry_ms(entry_id: bytes | str) -> int:
 
 
 def _lane(lane: Lane, row: Sequence[Any], now_s: float) -> LaneStats:
-    length, has_group, waiting, exact, pending, oldest_pending, first_waiting, read = row
+    length, has_group, waiting, exact, pending, oldest_pending, first_waiting = row
     return LaneStats(
         lane=lane,
         length=int(length),
@@ -269,7 +274,6 @@ def _lane(lane: Lane, row: Sequence[Any], now_s: float) -> LaneStats:
         pending=int(pending),
         oldest_waiting_s=_age_s(first_waiting, now_s),
         oldest_pending_s=_age_s(oldest_pending, now_s),
-        entries_read=int(read) if int(read) >= 0 else None,
     )
 
 
@@ -290,9 +294,20 @@ def _beat(name: str, raw: bytes | str) -> WorkerBeat | None:
             load=int(info.get("load") or 0),
             ready=bool(info.get("ready", True)),
             last_seen=last_seen(raw),
+            jobs_per_s=_rate(info.get("jobs_per_s")),
+            tokens_per_s=_rate(info.get("tokens_per_s")),
         )
     except (ValueError, TypeError, AttributeError):
         return None
+
+
+def _total(rates: Iterable[float | None]) -> float | None:
+    known = [rate for rate in rates if rate is not None]
+    return sum(known) if known else None
+
+
+def _rate(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _dead_letter(entry_id: bytes | str, fields: dict[Any, Any]) -> DeadLetter:

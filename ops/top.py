@@ -1,10 +1,8 @@
 """`exlq top`: a live terminal view of queues, workers and recent failures, from Redis alone.
 
-Rates: Redis keeps no count of finished jobs or of tokens (results are per-job keys, and a
-worker's counters are in its own /metrics). Redis 7 keeps, per consumer group, the entries
-ever read (XINFO GROUPS ``entries-read``); read minus pending is the entries finished (done,
-failed or dead-lettered), and its change between two reads is the jobs/s shown. Redis 6.2
-has no such count: there jobs/s shows "-". Tokens/s is not shown: no key holds a count.
+Rates: each worker's heartbeat carries the jobs it ended and the tokens it made per second
+over its last heartbeat interval (5 s by default); a queue's rates are its live workers'
+sums, so `--once` shows them too. "-": no live worker has sent two heartbeats yet.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -42,61 +40,42 @@ class Snapshot:
         return cls(tuple(stats), tuple(letters[:RECENT_ERRORS]))
 
 
-@dataclass
-class JobRates:
-    """Jobs finished per second per queue, from two successive snapshots (Redis >= 7)."""
-
-    _last: dict[str, tuple[int, float]] = field(default_factory=dict)
-
-    def update(self, snapshot: Snapshot) -> dict[str, float | None]:
-        rates: dict[str, float | None] = {}
-        for queue in snapshot.queues:
-            finished = _finished(queue)
-            before = self._last.get(queue.queue)
-            rates[queue.queue] = None
-            if finished is None:
-                self._last.pop(queue.queue, None)
-                continue
-            if before is not None and queue.redis_time_s > before[1]:
-                done = max(finished - before[0], 0)
-                rates[queue.queue] = done / (queue.redis_time_s - before[1])
-            self._last[queue.queue] = (finished, queue.redis_time_s)
-        return rates
-
-
-def frame(snapshot: Snapshot, rates: dict[str, float | None]) -> RenderableType:
+def frame(snapshot: Snapshot) -> RenderableType:
     """The three tables of one refresh."""
     return Group(
-        _queue_table(snapshot.queues, rates),
+        _queue_table(snapshot.queues),
         _worker_table(snapshot.queues),
         _error_table(snapshot.dead, _now(snapshot)),
     )
 
 
-def _queue_table(queues: Iterable[QueueStats], rates: dict[str, float | None]) -> Table:
+def _queue_table(queues: Iterable[QueueStats]) -> Table:
     table = Table(title="queues", title_justify="left", expand=False)
-    for name in ("queue", "lane", "length", "waiting", "pending", "oldest waiting", "jobs/s"):
+    columns = ("queue", "lane", "length", "waiting", "pending", "oldest waiting")
+    for name in (*columns, "jobs/s", "tokens/s"):
         table.add_column(name, justify="left" if name in ("queue", "lane") else "right")
     for queue in queues:
-        rate = rates.get(queue.queue)
         for index, lane in enumerate(queue.lanes):
             waiting = f"{lane.waiting:,}" if lane.waiting_exact else f"<={lane.waiting:,}"
+            first = index == 0  # the queue's name and rates, on its first lane's row
             table.add_row(
-                queue.queue if index == 0 else "",
+                queue.queue if first else "",
                 lane.lane,
                 f"{lane.length:,}",
                 waiting,
                 f"{lane.pending:,}",
                 _duration(lane.oldest_waiting_s),
-                ("-" if rate is None else f"{rate:.1f}") if index == 0 else "",
+                _rate(queue.jobs_per_s, ".1f") if first else "",
+                _rate(queue.tokens_per_s, ",.0f") if first else "",
             )
     return table
 
 
 def _worker_table(queues: Iterable[QueueStats]) -> Table:
     table = Table(title="workers", title_justify="left")
-    for name in ("worker", "queue", "model", "engine", "load", "last seen"):
-        table.add_column(name, justify="right" if name in ("load", "last seen") else "left")
+    left = ("worker", "queue", "model", "engine")
+    for name in (*left, "load", "tokens/s", "last seen"):
+        table.add_column(name, justify="left" if name in left else "right")
     for queue in queues:
         for worker in queue.workers:
             table.add_row(
@@ -105,9 +84,14 @@ def _worker_table(queues: Iterable[QueueStats]) -> Table:
                 worker.model or "-",
                 worker.engine + ("" if worker.ready else " (loading)"),
                 f"{worker.load}/{worker.capacity}",
+                _rate(worker.tokens_per_s, ",.0f"),
                 f"{_duration(queue.redis_time_s - worker.last_seen)} ago",
             )
     return table
+
+
+def _rate(rate: float | None, spec: str) -> str:
+    return "-" if rate is None else format(rate, spec)
 
 
 def _error_table(dead: Iterable[tuple[str, DeadLetter]], now_s: float) -> Table:
@@ -123,13 +107,6 @@ def _error_table(dead: Iterable[tuple[str, DeadLetter]], now_s: float) -> Table:
             f"{_duration(now_s - letter.failed_at)} ago",
         )
     return table
-
-
-def _finished(queue: QueueStats) -> int | None:
-    counts = [lane.finished for lane in queue.lanes if lane.has_group]
-    if not counts or any(count is None for count in counts):
-        return None
-    return sum(count for count in counts if count is not None)
 
 
 def _now(snapshot: Snapshot) -> float:
@@ -153,12 +130,11 @@ async def watch(reader: QueueReader, named: Sequence[str], interval_s: float, on
     console = Console()
     if not console.is_terminal:  # a pipe or a file: no ANSI, and room for the tables
         console.width = max(console.width, 140)
-    rates = JobRates()
 
     async def next_frame() -> RenderableType:
         queues = list(named) or await reader.discover()
         snapshot = await Snapshot.read(reader, queues)
-        return frame(snapshot, rates.update(snapshot))
+        return frame(snapshot)
 
     if once:
         console.print(await next_frame())

@@ -108,6 +108,9 @@ class Worker:
         # Token chunks published, for their metrics: (the job, its token before
         # this one, this one's time, the chunk).
         self._tokens_seen: list[tuple[RunningJob, float | None, float, TokenChunk]] = []
+        # Since the worker started, for the heartbeat's rates (upkeep.Upkeep.heartbeat).
+        self.jobs_ended = 0
+        self.tokens_generated = 0
 
     @property
     def ready(self) -> bool:
@@ -611,6 +614,7 @@ class Worker:
         """The token metrics of the chunks taken since the last call."""
         seen, self._tokens_seen = self._tokens_seen, []
         for job, previous, now, chunk in seen:
+            self.tokens_generated += len(chunk.token_ids)
             self.metrics.add_generated_tokens(len(chunk.token_ids))
             if previous is None:
                 self.metrics.observe_ttft(now - job.enqueued_at, job.lane)
@@ -633,6 +637,7 @@ class Worker:
         )
         self.metrics.job_completed(job.stop_reason or ended.finish_reason, job.lane)
         self.metrics.observe_duration(now - job.enqueued_at)
+        self.jobs_ended += 1
         job_log.job_ended(job, self.broker.keys.queue, ended, now)
 
     def _fail(self, batch: Batch, job: RunningJob, errored: JobErrored, now: float) -> None:
@@ -654,6 +659,7 @@ class Worker:
             )
         )
         self.metrics.job_failed(errored.code)
+        self.jobs_ended += 1
         job_log.job_ended(job, self.broker.keys.queue, errored, now)
 
     async def commit(self, batch: Batch) -> None:

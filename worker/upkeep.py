@@ -34,6 +34,8 @@ class Served(Protocol):
     capacity: int
     closing: asyncio.Event
     clock_offset_s: float
+    jobs_ended: int  # since the worker started
+    tokens_generated: int
 
     @property
     def ready(self) -> bool: ...
@@ -60,9 +62,32 @@ class _Every:
     due_at: float = 0.0
 
 
+@dataclass
+class _Rates:
+    """Jobs ended and tokens made per second since the last heartbeat, which carries them
+    for `exlq top` (a worker's own counters are on its /metrics, which top does not read);
+    none in the first heartbeat."""
+
+    at: float | None = None
+    jobs: int = 0
+    tokens: int = 0
+
+    def since_last(self, jobs: int, tokens: int) -> dict[str, float]:
+        now, before = time.monotonic(), self.at
+        rates: dict[str, float] = {}
+        if before is not None and now > before:
+            rates = {
+                "jobs_per_s": round((jobs - self.jobs) / (now - before), 3),
+                "tokens_per_s": round((tokens - self.tokens) / (now - before), 1),
+            }
+        self.at, self.jobs, self.tokens = now, jobs, tokens
+        return rates
+
+
 class Upkeep:
     def __init__(self, worker: Served) -> None:
         self.worker = worker
+        self._rates = _Rates()
         settings = worker.settings.broker
         self._duties = [
             _Every(settings.claim_renew_seconds, self.renew_claims),
@@ -125,6 +150,7 @@ class Upkeep:
                 "capacity": worker.capacity,
                 "load": worker.jobs.held,
                 "ready": worker.ready,
+                **self._rates.since_last(worker.jobs_ended, worker.tokens_generated),
             },
             stale_after_s=worker.settings.broker.heartbeat_seconds * 6,
         )
