@@ -82,7 +82,7 @@ local function lane(stream)
   local info = our_group(stream)
   if not info then
     -- No worker has created the group yet: every entry waits.
-    return {length, 0, length, 1, 0, '', first_id(stream, '-'), -1}
+    return {length, 0, length, 1, 0, '', first_id(stream, '-')}
   end
   local last = info['last-delivered-id']
   local pending = redis.call('XPENDING', stream, group)
