@@ -25,7 +25,7 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import CollectorRegistry
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from exlq.ops.queue_stats import QueueReader, QueueStats
 from exlq.protocol.redis_credentials import RedisCredentials
@@ -75,7 +75,16 @@ class QueueSource:
         return self._found
 
     async def read(self) -> list[QueueStats]:
-        return await self.reader.read_many(await self.queues())
+        """Each queue's stats. A queue whose keys Redis refuses to read (a key of another
+        type under a queue's name) is left out and logged, so it hides no other queue; a
+        Redis that fails altogether raises."""
+        stats = []
+        for queue in await self.queues():
+            try:
+                stats.append(await self.reader.read(queue))
+            except ResponseError as exc:
+                log.warning("queue %s left out: Redis refused to read it: %s", queue, exc)
+        return stats
 
 
 class QueueCollector(Collector):

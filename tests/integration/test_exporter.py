@@ -175,6 +175,20 @@ async def test_the_alert_rules_and_the_dashboard_work_on_live_series(
     assert names_used() - live == set()
 
 
+async def test_a_queue_redis_refuses_to_read_hides_no_other(
+    redis_url: str, queue_name: str, serve_exporter: Any, redis_client: aioredis.Redis
+) -> None:
+    broken = f"{queue_name}-broken"
+    await redis_client.set(QueueKeys(broken).jobs, "not a stream")  # WRONGTYPE for XLEN
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        await producer.submit("one", max_new_tokens=1)
+        exporter = await serve_exporter(redis_url, queues=[broken, queue_name])
+        samples = await scrape(exporter.port)
+    assert value(samples, "exlq_exporter_redis_up") == 1
+    assert value(samples, "exlq_queue_waiting", queue=queue_name) == 1
+    assert not [labels for labels, _ in samples["exlq_queue_waiting"] if labels["queue"] == broken]
+
+
 async def test_a_queue_named_is_shown_before_it_has_keys(
     redis_url: str, serve_exporter: Any
 ) -> None:
