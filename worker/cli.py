@@ -171,6 +171,9 @@ def up(
         log_level=log_level,
         log_format=log_format,
     )
+    # The worker logs in with EXLQ_REDIS_PASSWORD where it is set: the server asks for it.
+    password = settings.broker.redis_password
+    server.password = password.get_secret_value() if password is not None else None
     try:
         server.start()
     except RedisServerError as exc:

@@ -175,11 +175,15 @@ class RedisServer:
         data_dir: Path | None = None,
         binary: str | None = None,
         extra_args: list[str] | None = None,
+        password: str | None = None,
     ) -> None:
         self.port = port or free_port()
         self.data_dir = data_dir
         self.binary = binary or find_redis_server()
         self.extra_args = extra_args or []
+        # Asked of every client once the server answers (CONFIG SET, so it never shows in
+        # the process list); the server is on loopback and nobody knows of it before then.
+        self.password = password
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -245,6 +249,8 @@ class RedisServer:
                     )
                 try:
                     self._check_answering_server(client)
+                    if self.password:
+                        client.config_set("requirepass", self.password)
                     return self
                 except redis.ConnectionError:
                     if time.monotonic() > deadline:

@@ -178,7 +178,7 @@ def test_up_starts_its_own_redis_and_a_worker(tmp_path: Any) -> None:
     )
     try:
         assert up.stdout is not None
-        banner = "".join(up.stdout.readline() for _ in range(3))
+        banner = "".join(up.stdout.readline() for _ in range(4))
         assert f"exlq submit 'Hello' --queue demo --redis-url redis://127.0.0.1:{port}/0" in banner
         done = subprocess.run(
             [
