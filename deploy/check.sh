@@ -150,6 +150,33 @@ else
     skip "kubectl not installed"
 fi
 
+echo "== KEDA schemas"
+if "$PY" -c "import jsonschema" 2>/dev/null; then
+    # KEDA's CRD schemas (vendored from KEDA v2.20.2 in tests/schemas/); kubernetes-validate
+    # above knows only Kubernetes' own kinds and warns about these two.
+    "$PY" - <<'EOF' || fail=1
+import glob, json, sys
+import jsonschema, yaml
+schemas = {
+    "ScaledObject": "tests/schemas/keda-scaledobject-v1alpha1.json",
+    "TriggerAuthentication": "tests/schemas/keda-triggerauthentication-v1alpha1.json",
+}
+bad = 0
+for path in sorted(glob.glob("deploy/kubernetes/*.yaml")):
+    for doc in yaml.safe_load_all(open(path)):
+        if doc and doc.get("kind") in schemas:
+            try:
+                jsonschema.validate(doc, json.load(open(schemas[doc["kind"]])))
+            except jsonschema.ValidationError as e:
+                print(f"{path}: {doc['kind']}: {e.message}")
+                bad = 1
+print("KEDA objects INVALID" if bad else "KEDA objects valid")
+sys.exit(bad)
+EOF
+else
+    skip "jsonschema not installed"
+fi
+
 echo "== compose schema"
 if command -v check-jsonschema >/dev/null; then
     check-jsonschema --builtin-schema vendor.compose-spec deploy/docker-compose.yml || fail=1
