@@ -7,13 +7,13 @@ promtool tests skip, unless EXLQ_REQUIRE_PROMTOOL=1 (CI sets it) makes them fail
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.monitoring import promtool as find_promtool
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy/prometheus"
@@ -23,12 +23,7 @@ RULE_TESTS = PROMETHEUS / "tests/alerts_test.yml"
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is not None:
-        return found
-    if os.environ.get("EXLQ_REQUIRE_PROMTOOL") == "1":
-        pytest.fail("EXLQ_REQUIRE_PROMTOOL=1 and no promtool on PATH (apt-get install prometheus)")
-    pytest.skip("promtool not installed (apt-get install prometheus)")
+    return find_promtool()
 
 
 def _run(args: list[str], cwd: Path) -> None:
