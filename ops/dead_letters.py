@@ -20,7 +20,8 @@ from typing import cast
 
 import redis
 
-from exlq.protocol.keys import LANES, Lane, QueueKeys, entry_ref, split_entry_ref
+from exlq.ops.queue_stats import QueueNames
+from exlq.protocol.keys import Lane, QueueKeys, entry_ref, split_entry_ref
 from exlq.protocol.models import InvalidRequest, parse_request
 
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
@@ -250,16 +251,9 @@ class DeadLetters:
 
 
 def queues_in(client: redis.Redis, prefix: str) -> list[str]:
-    """The queues whose job or dead streams exist under ``prefix``, by name."""
-    pattern = re.compile(
-        rf"^{re.escape(prefix)}:\{{(.+)\}}:(?:jobs|dead|jobs:(?:{'|'.join(LANES)}))$"
-    )
-    found: set[str] = set()
-    for key in client.scan_iter(match=f"{prefix}:{{*}}:*", count=1000):
-        match = pattern.match(_text(key))
-        if match:
-            found.add(match.group(1))
-    return sorted(found)
+    """The queues under ``prefix`` (queue_stats.QueueNames), by name."""
+    named = QueueNames(prefix)
+    return sorted({queue for key in client.scan_iter(**named.scan) if (queue := named.by(key))})
 
 
 def resolve_queue(client: redis.Redis, prefix: str, queue: str | None) -> QueueKeys:

@@ -178,6 +178,22 @@ class QueueStats:
         return _total(worker.tokens_per_s for worker in self.workers)
 
 
+class QueueNames:
+    """Which queue a key under ``prefix`` belongs to, for finding queues by SCAN: a lane's
+    stream, the dead stream or the heartbeats name one."""
+
+    def __init__(self, prefix: str) -> None:
+        self._pattern = re.compile(
+            rf"^{re.escape(prefix)}:\{{([^{{}}]+)\}}:(?:jobs|jobs:batch|dead|workers)$"
+        )
+        # SCAN's arguments: only keys with a hash tag under the prefix, 1,000 a step.
+        self.scan: dict[str, Any] = {"match": f"{prefix}:{{*}}:*", "count": 1000}
+
+    def by(self, key: bytes | str) -> str | None:
+        match = self._pattern.match(_text(key))
+        return match.group(1) if match else None
+
+
 class QueueReader:
     """Reads queues' stats through one client; the script is loaded once per server."""
 
@@ -221,15 +237,9 @@ class QueueReader:
     async def discover(self) -> list[str]:
         """Every queue under the prefix with a lane stream, a dead stream or heartbeats.
         SCAN walks the whole keyspace (in steps of 1,000 keys): callers cache the answer."""
-        pattern = re.compile(
-            rf"^{re.escape(self.prefix)}:\{{([^{{}}]+)\}}:(?:jobs|jobs:batch|dead|workers)$"
-        )
-        found: set[str] = set()
-        async for key in self.client.scan_iter(match=f"{self.prefix}:{{*}}:*", count=1000):
-            match = pattern.match(_text(key))
-            if match:
-                found.add(match.group(1))
-        return sorted(found)
+        named = QueueNames(self.prefix)
+        found = {named.by(key) async for key in self.client.scan_iter(**named.scan)}
+        return sorted(queue for queue in found if queue)
 
     async def recent_dead_letters(self, queue: str, count: int) -> list[DeadLetter]:
         """The newest ``count`` dead letters of a queue, newest first (without the job)."""
