@@ -238,6 +238,14 @@ def _tokenizer_config_json() -> dict[str, Any]:
     }
 
 
+# A plain role-tagged layout; the weights are random, so only its shape matters.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def _generation_config_json() -> dict[str, Any]:
     return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}
 
@@ -332,6 +340,8 @@ def make_checkpoint(out_dir: Path, shape: str, seed: int = 0) -> Path:
     )
     _write_json(out_dir / "config.json", _config_json(sh))
     _write_json(out_dir / "generation_config.json", _generation_config_json())
+    # Where transformers 5 saves a template, so that chat requests run as on a current model.
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     _write_weights(out_dir, sh, seed)
     return out_dir
 

@@ -39,7 +39,7 @@ from exlq.worker.engines.base import (
     UsesDeviceWait,
     describe_error,
 )
-from exlq.worker.engines.chat_template import ChatFormatter
+from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids, sampling_settings
 from exlq.worker.engines.exllamav2.build_queue import Accepted, BuildQueue, room_for_one_more
 from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
@@ -185,6 +185,10 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         self.chat = ChatFormatter(
             model, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
         )
+        # The end-of-text tokens: the tokenizer's and the generation config's (a chat
+        # model's end-of-turn token may be only there).
+        eos = {self.tokenizer.eos_token_id} - {None}
+        self._eos_ids: list[int] = sorted(eos | generation_eos_ids(model))
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
         # Accepted jobs are built only when the next step could start them (build_queue.py).
@@ -303,8 +307,8 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
 
         request = checked.request
         stops: list[int | str] = [*request.stop, *request.stop_token_ids]
-        if not request.ignore_eos and self.tokenizer.eos_token_id is not None:
-            stops.append(self.tokenizer.eos_token_id)
+        if not request.ignore_eos:
+            stops += self._eos_ids
         job = ExLlamaV2DynamicJob(
             input_ids=checked.input_ids,
             max_new_tokens=request.max_new_tokens,
@@ -343,12 +347,9 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
                 )
             return self._torch.from_numpy(ids.astype(self._numpy.int64).reshape(1, -1))
         if request.messages is not None:
+            # The template writes the special tokens (a BOS where the model wants one).
             text = self.chat.render(request.messages)
-            return self.tokenizer.encode(
-                text,
-                add_bos=not self.chat.has_template,
-                encode_special_tokens=self.chat.has_template,
-            )
+            return self.tokenizer.encode(text, add_bos=False, encode_special_tokens=True)
         return self.tokenizer.encode(request.prompt or "", add_bos=True)
 
     def _sampler(self, request: EngineRequest) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from exlq.protocol.models import InvalidRequest
+from exlq.worker.engines.chat_template import NO_TEMPLATE
 from exlq.worker.engines.engine_request import EngineRequest
 
 
@@ -30,11 +31,18 @@ def prompt_ids(request: EngineRequest, tokenizer: Any, vocab_size: int) -> list[
 
 
 def chat_text(request: EngineRequest, tokenizer: Any) -> str:
-    """The messages as the model's chat template writes them, ready for the reply; without
-    a template, 'role: content' lines, as exlq's ChatFormatter writes them."""
+    """The messages as the model's chat template writes them, ready for the reply (the
+    tokenizer holds the template transformers found: chat_template.jinja, the
+    tokenizer_config.json's, or a GGUF file's); InvalidRequest for a model without one."""
     messages = [{"role": m.role, "content": m.content} for m in request.messages or ()]
     if not getattr(tokenizer, "chat_template", None):
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join([*lines, "assistant:"])
-    text: str = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        raise InvalidRequest(NO_TEMPLATE)
+    from jinja2 import TemplateError
+
+    try:
+        text: str = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+    except TemplateError as exc:
+        raise InvalidRequest(f"messages: the model's chat template refused them: {exc}") from None
     return text
