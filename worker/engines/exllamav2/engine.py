@@ -13,7 +13,6 @@ from __future__ import annotations
 import array
 import functools
 import logging
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from exlq.protocol.models import (
     FinishReason,
     InvalidRequest,
     TokenChoices,
-    TokenLogprob,
 )
 from exlq.worker.engines.base import (
     CacheUsage,
@@ -42,11 +40,13 @@ from exlq.worker.engines.base import (
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids, sampling_settings
 from exlq.worker.engines.exllamav2.build_queue import Accepted, BuildQueue, room_for_one_more
+from exlq.worker.engines.exllamav2.placement import Drafting, Placement
 from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
 from exlq.worker.engines.registry import LoadRequest
 
 if TYPE_CHECKING:
     from exlq.worker.engines.exllamav2.graphs import DecodeGraphs
+    from exlq.worker.engines.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,20 @@ def load_exllamav2_engine(request: LoadRequest) -> ExLlamaV2Engine:
         raise EngineUnavailable(f"cannot load the model from {model}: {exc}") from exc
 
 
+def grammar_compiler(model: Path, vocab_size: int, eos_ids: list[int]) -> GrammarCompiler | None:
+    """The compiler of the requests' grammars for this model's tokenizer.json; None (and
+    structured output refused) without llguidance or that file."""
+    import importlib.util
+
+    from exlq.worker.engines.structured_output import GrammarCompiler
+
+    tokenizer_json = model / "tokenizer.json"
+    if importlib.util.find_spec("llguidance") is None or not tokenizer_json.exists():
+        log.info("structured output off: needs llguidance and the model's tokenizer.json")
+        return None
+    return GrammarCompiler.from_tokenizer_json(tokenizer_json, vocab_size, eos_ids)
+
+
 @dataclass
 class _Job:
     job: Any  # ExLlamaV2DynamicJob
@@ -98,6 +112,7 @@ class _Checked:
     request: EngineRequest
     input_ids: Any  # torch.Tensor, shape (1, prompt tokens)
     prompt_tokens: int
+    constraint: Any  # structured_output.TokenConstraint, or None
     job: Any = None  # ExLlamaV2DynamicJob, ready to queue (generator.ready_job)
 
 
@@ -156,6 +171,14 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         self._numpy = numpy
         self.attention = attention
         self.capacity = max_batch_size
+        self.drafting = (
+            Drafting(settings.draft_tokens, settings.draft_model) if settings.drafting else None
+        )
+        self.placement = Placement(settings.gpu_split_gb, settings.tensor_parallel)
+        if self.drafting is not None and settings.cuda_graphs:
+            # Every step verifies drafts (several tokens a job): exllamav2's own step, which
+            # the decode graphs (one token a job) never serve.
+            log.info("speculative decoding: CUDA graphs and GPU sampling are not used")
         self.loaded = load_generator(
             model,
             max_batch_size=self.capacity,
@@ -165,7 +188,9 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             admit_prompt_tokens=settings.admit_prompt_tokens,
             max_chunk_size=settings.max_chunk_size,
             gpu_embedding=settings.gpu_embedding,
-            decode_graphs=settings.cuda_graphs,
+            decode_graphs=settings.cuda_graphs and self.drafting is None,
+            placement=self.placement,
+            drafting=self.drafting,
         )
         self.gpu_embedding = self.loaded.gpu_embedding
         self.model = self.loaded.model
@@ -189,6 +214,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         # model's end-of-turn token may be only there).
         eos = {self.tokenizer.eos_token_id} - {None}
         self._eos_ids: list[int] = sorted(eos | generation_eos_ids(model))
+        self.grammars = grammar_compiler(model, self.model.config.vocab_size, self._eos_ids)
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
         # Accepted jobs are built only when the next step could start them (build_queue.py).
@@ -229,6 +255,9 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             "prefill_batch_tokens": str(self.prefill_batch_tokens),
             "admit_prompt_tokens": str(self.admit_prompt_tokens),
             "gpu_embedding": "on" if self.gpu_embedding else "off",
+            "placement": self.placement.describe(),
+            "drafting": "off" if self.drafting is None else self.drafting.describe(),
+            "structured_output": "on" if self.grammars is not None else "off",
         }
 
     # -- jobs ---------------------------------------------------------------------------
@@ -242,13 +271,37 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         """Check and encode the request (a bad one raises here), without starting it."""
         input_ids = self._encode(request)
         prompt_tokens = int(input_ids.shape[-1])
-        if prompt_tokens + request.max_new_tokens > self.max_seq_len:
+        constraint = self._constraint(request)
+        if prompt_tokens + request.max_new_tokens + self._drafted > self.max_seq_len:
             raise InvalidRequest(
                 f"prompt ({prompt_tokens} tokens) plus max_new_tokens "
                 f"({request.max_new_tokens}) exceeds the {self.max_seq_len} tokens this worker "
                 "can hold for one job: shorten the prompt or lower max_new_tokens"
             )
-        return _Checked(job_id, request, input_ids, prompt_tokens)
+        return _Checked(job_id, request, input_ids, prompt_tokens, constraint)
+
+    def _constraint(self, request: EngineRequest) -> Any:
+        """The request's grammar, compiled (InvalidRequest if it cannot be), or None."""
+        if request.constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest(
+                "response_format / regex: this worker cannot constrain output (llguidance is "
+                "not installed, or the model has no tokenizer.json)"
+            )
+        if self.drafting is not None or not hasattr(self.generator, "gpu_sampled"):
+            raise InvalidRequest(
+                "response_format / regex: this worker drafts tokens (speculative decoding), "
+                "whose verify step cannot constrain output; send it to a worker without "
+                "draft_model or ngram_draft"
+            )
+        return self.grammars.compile(request)
+
+    @property
+    def _drafted(self) -> int:
+        """Tokens past max_new_tokens a job must have room for: exllamav2 ends a drafting
+        job num_draft_tokens early, so exlq asks it for that many more."""
+        return 0 if self.drafting is None else self.drafting.tokens
 
     def admit(self, job_id: str, prepared: object) -> None:
         """Accept a prepared job: it is queued (and built, if it was not built ahead) when a
@@ -304,14 +357,17 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         from exllamav2.generator import ExLlamaV2DynamicJob
 
         from exlq.worker.engines.exllamav2.generator import ready_job
+        from exlq.worker.engines.exllamav2.logprobs import RawLogprobJob
 
         request = checked.request
         stops: list[int | str] = [*request.stop, *request.stop_token_ids]
-        if not request.ignore_eos:
-            stops += self._eos_ids
-        job = ExLlamaV2DynamicJob(
+        if not request.ignore_eos or checked.constraint is not None:
+            stops += self._eos_ids  # a grammar allows the end only where its output is whole
+        # With logprobs, one column more: the chosen token's (logprobs.py).
+        job_class = RawLogprobJob if request.logprobs else ExLlamaV2DynamicJob
+        job = job_class(
             input_ids=checked.input_ids,
-            max_new_tokens=request.max_new_tokens,
+            max_new_tokens=request.max_new_tokens + self._drafted,
             gen_settings=self._sampler(request),
             seed=(
                 self._seeds.getrandbits(64)
@@ -320,10 +376,10 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             ),
             stop_conditions=stops,
             banned_strings=request.banned_strings or None,
-            return_top_tokens=request.logprobs,
-            return_probs=request.logprobs > 0,
+            return_top_tokens=request.logprobs + 1 if request.logprobs else 0,
             identifier=checked.job_id,
         )
+        job.exlq_constraint = checked.constraint
         ready_job(self.generator, job)
         return job
 
@@ -415,23 +471,14 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
 
     def _logprobs(self, result: dict[str, Any]) -> list[TokenChoices] | None:
         top_ids = result.get("top_k_tokens")
-        top_probs = result.get("top_k_probs")
-        if top_ids is None or top_probs is None:
+        top_logprobs = result.get("top_k_probs")  # logprobs: exlq puts them there
+        if top_ids is None or top_logprobs is None:
             return None
         if self._pieces is None:
             self._pieces = self.tokenizer.get_id_to_piece_list(True)
-        pieces = self._pieces
-        choices = []
-        for ids_row, probs_row in zip(top_ids[0].tolist(), top_probs[0].tolist(), strict=True):
-            choices.append(
-                TokenChoices(
-                    top=[
-                        TokenLogprob(token=pieces[i], token_id=i, logprob=math.log(max(p, 1e-30)))
-                        for i, p in zip(ids_row, probs_row, strict=True)
-                    ]
-                )
-            )
-        return choices
+        from exlq.worker.engines.exllamav2.logprobs import token_choices
+
+        return token_choices(top_ids, top_logprobs, self._pieces)
 
     def abort_all(self) -> list[str]:
         ids = [*self._jobs, *self._unbuilt.clear()]

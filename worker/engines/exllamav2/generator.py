@@ -44,11 +44,13 @@ from typing import Any
 
 import torch
 from exllamav2.ext import none_tensor
-from exllamav2.generator import ExLlamaV2DynamicGenerator
+from exllamav2.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob
 
 from exlq.worker.engines.exllamav2.attention import on_pinned_exllamav2, padding_supported
+from exlq.worker.engines.exllamav2.grammar_masks import GrammarMasks, grammar_ended
 from exlq.worker.engines.exllamav2.job_buffers import install_on_demand_buffers
 from exlq.worker.engines.exllamav2.job_rng import install_job_rng
+from exlq.worker.engines.exllamav2.logprobs import top_logprobs
 from exlq.worker.engines.exllamav2.page_search import narrowed_page_search
 from exlq.worker.engines.exllamav2.prefill import PrefillBatcher
 from exlq.worker.engines.exllamav2.prefill_plan import jobs_to_start
@@ -99,7 +101,6 @@ def gpu_sampleable(job: Any) -> bool:
         and not job.filters
         and len(job.sequences) == 1  # CFG runs two
         and not job.return_logits
-        and not job.return_top_tokens
         and s.cfg_scale is None
         and s.token_repetition_penalty == 1.0
         and s.token_frequency_penalty == 0.0
@@ -172,6 +173,7 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             # pinned, the GPU writes it directly.
             shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
             self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
+        self._grammar_masks = GrammarMasks(self.max_batch_size)
         # The prefill loop's search for a partially matching page looks only at pages that
         # could match (page_search.py); False searches every page, as exllamav2 does.
         self.narrow_page_search = True
@@ -268,7 +270,7 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         return contextlib.nullcontext()
 
     def iterate_gen(self, results: list[Any], draft_tokens: Any = None) -> None:
-        if draft_tokens is not None or not self.gpu_sampling:
+        if draft_tokens is not None:
             super().iterate_gen(results, draft_tokens)
             return
         jobs = [job for job in self.active_jobs if job.is_prefill_done()]
@@ -351,7 +353,10 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         for job in jobs:
             rows.append(row)
             row += len(job.sequences)
-        gpu_jobs = [i for i, job in enumerate(jobs) if gpu_sampleable(job)]
+        # Read before a grammar's mask changes the logits: logprobs are the model's own.
+        raw = self._rows_for_logprobs(jobs, rows, device_logits)
+        constraints = self._mask_constrained(jobs, rows, device_logits)
+        gpu_jobs = [i for i, job in enumerate(jobs) if self.gpu_sampling and gpu_sampleable(job)]
         sampled: dict[int, tuple[Any, Any]] = {}
         if gpu_jobs:
             sampled = self._sample_on_gpu(
@@ -363,25 +368,78 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
                 self.wait_work()
             host_logits = self.logits_pinned[: device_logits.shape[0], : device_logits.shape[1], :]
             host_logits.copy_(device_logits, non_blocking=False)
+        picks = [
+            (None, sampled[i][0], none_tensor, none_tensor, sampled[i][1], False)
+            if i in sampled
+            else self._sample_on_cpu(job, host_logits, rows[i])
+            for i, job in enumerate(jobs)
+        ]
+        if raw is not None:
+            self._attach_logprobs(jobs, raw, picks)
         completed = []
         for i, job in enumerate(jobs):
-            if i in sampled:
-                token, prob = sampled[i]
-                eos, _ = job.receive_sample(
-                    None, token, none_tensor, none_tensor, prob, False, results, True
-                )
-            else:
-                assert host_logits is not None
-                job_logits = host_logits[rows[i] : rows[i] + len(job.sequences), :1, :]
-                token, k_tokens, k_probs, prob, filter_eos = job.receive_logits(job_logits)
-                eos, _ = job.receive_sample(
-                    job_logits, token, k_tokens, k_probs, prob, filter_eos, results, True
-                )
+            job_logits, token, k_tokens, k_probs, prob, filter_eos = picks[i]
+            if i in constraints:
+                filter_eos = grammar_ended(constraints[i], int(token.item())) or filter_eos
+            eos, _ = job.receive_sample(
+                job_logits, token, k_tokens, k_probs, prob, filter_eos, results, True
+            )
             if eos:
                 completed.append(job)
         self.gpu_sampled += len(gpu_jobs)
         self.cpu_sampled += len(jobs) - len(gpu_jobs)
         return completed
+
+    def _sample_on_cpu(self, job: Any, host_logits: Any, row: int) -> tuple[Any, ...]:
+        """exllamav2's own sampling of one job (not RawLogprobJob's: exlq's step reports
+        logprobs from the raw logits it keeps on the device)."""
+        job_logits = host_logits[row : row + len(job.sequences), :1, :]
+        return (job_logits, *ExLlamaV2DynamicJob.receive_logits(job, job_logits))
+
+    def _rows_for_logprobs(
+        self, jobs: list[Any], rows: list[int], device_logits: Any
+    ) -> tuple[list[int], Any] | None:
+        """The jobs that report logprobs and a copy of their rows of logits, or None."""
+        wanted = [i for i, job in enumerate(jobs) if job.return_top_tokens]
+        if not wanted:
+            return None
+        index = torch.tensor([rows[i] for i in wanted], dtype=torch.long)
+        return wanted, device_logits[:, 0, :].index_select(0, index.to(device_logits.device))
+
+    def _attach_logprobs(
+        self, jobs: list[Any], raw: tuple[list[int], Any], picks: list[Any]
+    ) -> None:
+        """Put each job's top tokens of the model's distribution, and its chosen token's,
+        where exllamav2 holds a job's top tokens (logprobs.py)."""
+        wanted, logits = raw
+        widest = max(jobs[i].return_top_tokens for i in wanted) - 1
+        chosen = torch.cat([picks[i][1].view(1) for i in wanted]).to(logits.device)
+        ids, values = top_logprobs(logits, chosen, widest, self.tokenizer.get_vocab_size())
+        ids, values = ids.cpu(), values.cpu()
+        for n, i in enumerate(wanted):
+            count = jobs[i].return_top_tokens - 1
+            columns = [*range(count), widest]  # its own count, then the chosen token
+            job_ids = ids[n, columns].view(1, 1, -1)
+            job_values = values[n, columns].view(1, 1, -1)
+            logits_row, token, _, _, prob, filter_eos = picks[i]
+            picks[i] = (logits_row, token, job_ids, job_values, prob, filter_eos)
+
+    def _mask_constrained(
+        self, jobs: list[Any], rows: list[int], device_logits: Any
+    ) -> dict[int, Any]:
+        """Mask, on the device, the tokens each constrained job's grammar rules out at this
+        step; the masks are computed on the host while the GPU runs the forward pass.
+        Returns the jobs' constraints by index."""
+        constraints = {
+            i: job.exlq_constraint
+            for i, job in enumerate(jobs)
+            if getattr(job, "exlq_constraint", None) is not None
+        }
+        if constraints:
+            self._grammar_masks.apply(
+                [(constraints[i], rows[i]) for i in constraints], device_logits[:, 0, :]
+            )
+        return constraints
 
     def _sample_on_gpu(
         self, jobs: list[Any], indices: list[int], rows: list[int], device_logits: Any

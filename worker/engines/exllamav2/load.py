@@ -18,6 +18,7 @@ from typing import Any
 from exlq.worker.engines.exllamav2.embedding import move_embedding_to_gpu
 from exlq.worker.engines.exllamav2.generator import make_dynamic_generator, size_model_config
 from exlq.worker.engines.exllamav2.graphs import DecodeGraphs, install_decode_graphs
+from exlq.worker.engines.exllamav2.placement import Drafting, Placement, load_weights
 
 PAGE_TOKENS = 256  # exllamav2's PAGED_PAGE_SIZE
 
@@ -48,6 +49,9 @@ class LoadedGenerator:
             pool = getattr(self.generator, name, None)
             if pool is not None:
                 pool.shutdown(wait=False)
+        draft = getattr(self.generator, "draft_model", None)
+        if draft is not None:
+            draft.unload()
         self.model.unload()
 
 
@@ -66,6 +70,8 @@ def load_generator(
     paged: bool = True,
     gpu_embedding: bool = False,
     decode_graphs: bool = False,
+    placement: Placement | None = None,
+    drafting: Drafting | None = None,
 ) -> LoadedGenerator:
     """Load the model in ``model_dir`` with a cache of ``cache_tokens`` (rounded down to whole
     pages, at least one) and a generator for ``max_batch_size`` jobs. ``max_chunk_size``
@@ -75,9 +81,11 @@ def load_generator(
     GPU where there is room (embedding.py); else it stays in system memory, as
     exllamav2 loads it. ``decode_graphs``: warm_up captures the decode step whole, so
     quantized modules are loaded without exllamav2's own graphs, which a capture cannot
-    hold; fp16 modules have none either way. One flag, here, decides both.
+    hold; fp16 modules have none either way. One flag, here, decides both. ``placement``:
+    how the weights spread over several GPUs (None: exllamav2's autosplit, which fills one
+    GPU before the next). ``drafting``: speculative decoding, with a draft model or n-grams.
     """
-    from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exllamav2 import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer
 
     config = ExLlamaV2Config(str(model_dir))
     size_model_config(config, max_batch_size, prefill_batch_tokens)
@@ -85,14 +93,15 @@ def load_generator(
         config.no_graphs = True
     cache_tokens = max(PAGE_TOKENS, cache_tokens // PAGE_TOKENS * PAGE_TOKENS)
     model = ExLlamaV2(config)
-    cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
-    model.load_autosplit(cache, progress=False)
+    cache = load_weights(model, cache_tokens, placement or Placement())
     embedding_on_gpu = move_embedding_to_gpu(model) if gpu_embedding else False
     tokenizer = ExLlamaV2Tokenizer(config)
     options: dict[str, Any] = {}
     if max_chunk_size is not None:
         chunk = min(max_chunk_size, config.max_input_len)
         options["max_chunk_size"] = max(PAGE_TOKENS, chunk // PAGE_TOKENS * PAGE_TOKENS)
+    if drafting is not None:
+        options.update(drafting.generator_options(model, cache_tokens, max_batch_size))
     generator = make_dynamic_generator(
         gpu_sampling=gpu_sampling,
         prefill_batch_tokens=prefill_batch_tokens,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 AttentionChoice = Literal["auto", "flash-attn", "exlq"]
@@ -44,3 +45,44 @@ class ExLlamaV2Settings(BaseSettings):
         description="prompt tokens the jobs one step starts may hold together; more wait for "
         "the next step (a longer prompt starts alone); 0: every job that fits",
     )
+    draft_model: Path | None = Field(
+        None,
+        description="a smaller model of the same vocabulary that drafts tokens for the model "
+        "to verify (speculative decoding); its cache is as large as the model's",
+    )
+    ngram_draft: bool = Field(
+        False,
+        description="draft tokens from n-grams of the job's own text (speculative decoding "
+        "without a draft model; pays off where output repeats its prompt)",
+    )
+    draft_tokens: int = Field(
+        4, ge=1, le=8, description="tokens drafted a step, with a draft model or n-grams"
+    )
+    gpu_split: str = Field(
+        "auto",
+        pattern=r"^(auto|\d+(\.\d+)?(,\d+(\.\d+)?)*)$",
+        description="how the model's layers spread over the visible GPUs: auto (fill each "
+        "in turn) or GB of weights per GPU, e.g. 20,20",
+    )
+    tensor_parallel: bool = Field(
+        False,
+        description="split every layer over the visible GPUs (exllamav2's tensor "
+        "parallelism) instead of giving each GPU whole layers",
+    )
+
+    @model_validator(mode="after")
+    def _one_drafter(self) -> ExLlamaV2Settings:
+        if self.draft_model is not None and self.ngram_draft:
+            raise ValueError("draft_model and ngram_draft: choose one way to draft tokens")
+        return self
+
+    @property
+    def drafting(self) -> bool:
+        return self.draft_model is not None or self.ngram_draft
+
+    @property
+    def gpu_split_gb(self) -> list[float] | None:
+        """GB per GPU, or None for auto."""
+        if self.gpu_split == "auto":
+            return None
+        return [float(part) for part in self.gpu_split.split(",")]
