@@ -5,16 +5,18 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     JsonValue,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import to_json
@@ -75,6 +77,80 @@ def _all_finite(value: JsonValue) -> bool:
     return True
 
 
+class TextFormat(WireModel):
+    """Plain text: no constraint."""
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(WireModel):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(WireModel):
+    """OpenAI's ``json_schema`` member of response_format: the schema the output must match.
+    ``name``, ``description`` and ``strict`` are accepted as OpenAI's clients send them;
+    exlq holds every output to the schema whatever ``strict`` says."""
+
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    # "schema" shadows a (deprecated) BaseModel method: the attribute is schema_, the wire
+    # name is schema, both ways (the serializer below).
+    schema_: dict[str, JsonValue] = Field(
+        alias="schema", description="a JSON Schema (an object); the output must validate"
+    )
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _finite_schema(cls, value: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        if not _all_finite(value):
+            raise ValueError("the schema must be JSON: no NaN or Infinity")
+        return value
+
+    @model_serializer(mode="wrap")
+    def _schema_by_its_wire_name(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Written as "schema" by every dump, not only those that ask for aliases: a request
+        # dumped without by_alias must still be one a worker accepts.
+        data = handler(self)
+        if isinstance(data, dict) and "schema_" in data:
+            data = {("schema" if key == "schema_" else key): value for key, value in data.items()}
+        return data
+
+
+class JsonSchemaFormat(WireModel):
+    """JSON that validates against the given schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+ConstraintKind = Literal["json_object", "json_schema", "regex"]
+
+
+class OutputConstraint(NamedTuple):
+    """What a request holds its output to, as an engine reads it: the kind and its source
+    text (the schema's JSON, the regex; empty for json_object). Plain text, so that the
+    protocol needs no grammar library: an engine compiles it."""
+
+    kind: ConstraintKind
+    source: str
+
+    @property
+    def field(self) -> str:
+        """The request field a compile error names."""
+        return {
+            "json_object": "response_format",
+            "json_schema": "response_format.json_schema.schema",
+            "regex": "regex",
+        }[self.kind]
+
+
 def new_job_id() -> str:
     """32 random hex digits, from secrets.token_hex: cheaper than uuid4().hex, and paid in
     every submit that names no id."""
@@ -116,6 +192,28 @@ class GenerationRequest(WireModel):
         None, gt=0, description="Unix time in seconds after which the job is not worth running"
     )
     metadata: dict[str, JsonValue] | None = None
+    response_format: ResponseFormat | None = Field(
+        None,
+        description=(
+            "OpenAI's shapes: {type: text} (no constraint), {type: json_object} (any JSON "
+            "object), {type: json_schema, json_schema: {name, schema, strict, description}}"
+        ),
+    )
+    regex: str | None = Field(
+        None, min_length=1, description="a regular expression the whole output must match"
+    )
+
+    @property
+    def constraint(self) -> OutputConstraint | None:
+        """The output's constraint, from response_format or regex; None for plain text."""
+        if self.regex is not None:
+            return OutputConstraint("regex", self.regex)
+        form = self.response_format
+        if isinstance(form, JsonSchemaFormat):
+            return OutputConstraint("json_schema", to_json(form.json_schema.schema_).decode())
+        if isinstance(form, JsonObjectFormat):
+            return OutputConstraint("json_object", "")
+        return None
 
     @property
     def prompt_ids(self) -> Sequence[int] | None:
@@ -159,6 +257,16 @@ class GenerationRequest(WireModel):
             raise ValueError(
                 "give exactly one of prompt, messages, input_ids or input_ids_b64 "
                 f"(got {', '.join(given) if given else 'none'})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> GenerationRequest:
+        form = self.response_format
+        if self.regex is not None and form is not None and form.type != "text":
+            raise ValueError(
+                f"give response_format {form.type} or regex, not both: an output is held "
+                "to one constraint"
             )
         return self
 
@@ -296,12 +404,29 @@ class InvalidRequest(ValueError):
     """A request that can never run as written; the message says what to fix."""
 
 
+# Fields holding a union tagged by its "type": pydantic puts the tag in an error's location
+# after the field's name (response_format.json_object.schema), where the request has none.
+_TAGGED_UNIONS = frozenset({"response_format"})
+
+
 def describe_validation_error(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"]) or "request"
+        where = ".".join(_request_path(err["loc"])) or "request"
         parts.append(f"{where}: {err['msg']}")
     return "; ".join(parts)
+
+
+def _request_path(loc: tuple[int | str, ...]) -> list[str]:
+    path: list[str] = []
+    tag_next = False
+    for part in loc:
+        if tag_next:
+            tag_next = False
+            continue
+        path.append(str(part))
+        tag_next = part in _TAGGED_UNIONS
+    return path
 
 
 def json_schemas() -> dict[str, Any]:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from exlq.protocol.models import ChatMessage, GenerationRequest
+import pytest
+
+from exlq.protocol.models import ChatMessage, GenerationRequest, InvalidRequest
 from exlq.worker.engines.base import JobEnded, TokenChunk
 from exlq.worker.engines.echo.engine import EchoEngine, echo_text
 
@@ -58,3 +61,21 @@ def test_pace_is_tokens_per_second() -> None:
     started = time.monotonic()
     _run(engine)
     assert 0.08 <= time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    "constrained",
+    [
+        {"regex": "[0-9]+"},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+    ],
+)
+def test_a_constrained_request_is_refused(constrained: dict[str, Any]) -> None:
+    engine = EchoEngine(1, 10_000)
+    with pytest.raises(InvalidRequest, match="echo engine does not constrain output"):
+        engine.add("j", GenerationRequest.model_validate({"prompt": "a", **constrained}))
+    assert not engine.active_jobs
+    # Plain text is no constraint: it runs.
+    engine.add("t", GenerationRequest(prompt="a", response_format={"type": "text"}))  # type: ignore[arg-type]
+    assert engine.active_jobs == 1

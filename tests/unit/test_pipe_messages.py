@@ -15,6 +15,7 @@ from exlq.protocol.models import (
     MAX_STOP_STRINGS,
     ChatMessage,
     GenerationRequest,
+    OutputConstraint,
     Sampling,
     TokenChoices,
     TokenLogprob,
@@ -77,6 +78,11 @@ samplings = st.builds(
     presence_penalty=floats,
     seed=st.none() | counts,
 )
+constraints = st.none() | st.builds(
+    OutputConstraint,
+    kind=st.sampled_from(["json_object", "json_schema", "regex"]),
+    source=texts,
+)
 strings = st.lists(st.text(min_size=1, max_size=10), max_size=MAX_STOP_STRINGS).map(tuple)
 
 
@@ -99,6 +105,7 @@ def packed_requests(draw: st.DrawFn) -> PackedRequest:
         banned_strings=draw(strings),
         ignore_eos=draw(st.booleans()),
         logprobs=draw(st.integers(0, 20)),
+        constraint=draw(constraints),
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from exlq.protocol.models import GenerationRequest, Sampling
+from exlq.protocol.models import GenerationRequest, OutputConstraint, Sampling
 from exlq.protocol.packed_ids import PackedIds
 from exlq.worker.command_pipe import decode_command, encode_frame
 from exlq.worker.engine_loop import Admit, Offer
@@ -44,6 +44,7 @@ REQUEST_FIELDS = [
     "banned_strings",
     "ignore_eos",
     "logprobs",
+    "constraint",
 ]
 SAMPLING_FIELDS = list(Sampling.model_fields)
 
@@ -148,6 +149,38 @@ def test_the_wire_form_is_written_without_python_code_per_field(
 
     msgspec.msgpack.Encoder(enc_hook=counted).encode(packed_request(request_))
     assert len(calls) == (request_.prompt_ids is not None) + len(request_.messages or [])
+
+
+@pytest.mark.parametrize(
+    ("constrained", "kind", "source"),
+    [
+        ({"regex": r"\d{4}-\d{2}-\d{2}"}, "regex", r"\d{4}-\d{2}-\d{2}"),
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "object", "required": ["a"]}},
+                }
+            },
+            "json_schema",
+            '{"type":"object","required":["a"]}',
+        ),
+        ({"response_format": {"type": "text"}, "regex": "a|b"}, "regex", "a|b"),
+        ({"response_format": {"type": "text"}}, None, None),
+    ],
+)
+def test_an_output_constraint_crosses_as_its_kind_and_source(
+    constrained: dict[str, Any], kind: str | None, source: str | None
+) -> None:
+    request = GenerationRequest.model_validate({"prompt": "x", **constrained})
+    crossed = _crossed(request)
+    expected = None if kind is None else (kind, source)
+    assert request.constraint == crossed.constraint == expected
+    if expected is not None:  # read back as the NamedTuple, its field name with it
+        assert isinstance(crossed.constraint, OutputConstraint)
+        assert crossed.constraint.field == request.constraint.field  # type: ignore[union-attr]
+    assert _read(_crossed(crossed)) == _read(request)
 
 
 @pytest.mark.parametrize("field", ["input_ids", "input_ids_b64"])

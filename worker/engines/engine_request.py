@@ -3,13 +3,14 @@ in which a request crosses the pipe into an engine process, and the form an engi
 reads it in.
 
 An engine reads a request's input (prompt, messages or token ids), its length, sampling,
-stop and logprob fields, nothing else. The worker holds each job's request as the
-validated GenerationRequest, and an engine on a thread of the worker (EngineLoop) takes it
-as it is. An engine in a process of its own gets every job through a pipe, on the critical
-path of a burst's first token: unpickling a GenerationRequest and packing its ids into an
-array was a large share of what the job cost the engine process before its first step
-(`docs/PERFORMANCE.md`, "Starting a burst (always on)"). So the
-worker packs each request into a PackedRequest, which msgspec writes and reads as a
+stop and logprob fields and its output constraint (response_format or regex, as an
+OutputConstraint: a kind and its source text, which the engine compiles), nothing else.
+The worker holds each job's request as the validated GenerationRequest, and an engine on a
+thread of the worker (EngineLoop) takes it as it is. An engine in a process of its own
+gets every job through a pipe, on the critical path of a burst's first token: unpickling a
+GenerationRequest and packing its ids into an array was a large share of what the job cost
+the engine process before its first step (`docs/PERFORMANCE.md`, "Starting a burst (always
+on)"). So the worker packs each request into a PackedRequest, which msgspec writes and reads as a
 MessagePack array (array_like: no field names on the wire, and no Python code per field):
 its ids go as one MessagePack extension holding the bytes of a uint32 array, decoded
 straight into that array, which the engine reads without another copy. A request whose
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import msgspec
 
-from exlq.protocol.models import ChatMessage, Sampling
+from exlq.protocol.models import ChatMessage, OutputConstraint, Sampling
 
 
 class EngineSampling(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -100,6 +101,8 @@ class EngineRequest(Protocol):
     def ignore_eos(self) -> bool: ...
     @property
     def logprobs(self) -> int: ...
+    @property
+    def constraint(self) -> OutputConstraint | None: ...
 
 
 class WideIds(Sequence[int]):
@@ -156,6 +159,7 @@ class PackedRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     banned_strings: tuple[str, ...]
     ignore_eos: bool
     logprobs: int
+    constraint: OutputConstraint | None
 
 
 def packed_request(request: EngineRequest) -> PackedRequest:
@@ -173,6 +177,7 @@ def packed_request(request: EngineRequest) -> PackedRequest:
         tuple(request.banned_strings),
         request.ignore_eos,
         request.logprobs,
+        request.constraint,
     )
 
 

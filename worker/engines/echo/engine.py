@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from exlq.protocol.models import FinishReason
+from exlq.protocol.models import FinishReason, InvalidRequest
 from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
@@ -61,6 +61,12 @@ class EchoEngine(Engine, UsesDeviceWait):
         self._next_step_at = 0.0
 
     def add(self, job_id: str, request: EngineRequest) -> None:
+        if request.constraint is not None:
+            # Its text is the prompt's words: it could honour no schema or pattern.
+            raise InvalidRequest(
+                "the echo engine does not constrain output: response_format / regex need "
+                "the exllamav2 or transformers engine"
+            )
         words = prompt_words(request)
         self._jobs[job_id] = _EchoJob(request, words, prompt_tokens=len(words))
 
