@@ -145,14 +145,14 @@ def drafting(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
         engine = load(model, 8, **options)
         accepted = _count_drafts(engine)
         try:
-            greedy = {"sampling": {"temperature": 0.0}, "ignore_eos": True}
-            run_burst(engine, [GenerationRequest(prompt="warm up", max_new_tokens=16, **greedy)])  # type: ignore[arg-type]
+            greedy: dict[str, Any] = {"sampling": {"temperature": 0.0}, "ignore_eos": True}
+            run_burst(engine, [GenerationRequest(prompt="warm up", max_new_tokens=16, **greedy)])
             accepted.clear()
             for repeat in range(args.repeats):
                 request = GenerationRequest(
                     prompt=f"{repeat} {PROMPT_WORDS}",
                     max_new_tokens=args.new_tokens,
-                    **greedy,  # type: ignore[arg-type]
+                    **greedy,
                 )
                 result = run_burst(engine, [request])
                 text = result.pop("texts")[0]
@@ -210,13 +210,13 @@ def placement(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
             continue
         try:
             info = engine.info()
-            greedy = {"sampling": {"temperature": 0.0}, "ignore_eos": True}
-            run_burst(engine, [GenerationRequest(prompt="warm up", max_new_tokens=8, **greedy)])  # type: ignore[arg-type]
+            greedy: dict[str, Any] = {"sampling": {"temperature": 0.0}, "ignore_eos": True}
+            run_burst(engine, [GenerationRequest(prompt="warm up", max_new_tokens=8, **greedy)])
             for jobs in args.jobs:
                 burst = [
                     GenerationRequest(
                         prompt=f"{i} {PROMPT_WORDS}", max_new_tokens=args.new_tokens, **greedy
-                    )  # type: ignore[arg-type]
+                    )
                     for i in range(jobs)
                 ]
                 result = run_burst(engine, burst)

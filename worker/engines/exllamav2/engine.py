@@ -83,7 +83,9 @@ def load_exllamav2_engine(request: LoadRequest) -> ExLlamaV2Engine:
         raise EngineUnavailable(f"cannot load the model from {model}: {exc}") from exc
 
 
-def grammar_compiler(model: Path, vocab_size: int, eos_ids: list[int]) -> GrammarCompiler | None:
+def grammar_compiler(
+    model: Path, tokenizer: Any, vocab_size: int, eos_ids: list[int]
+) -> GrammarCompiler | None:
     """The compiler of the requests' grammars for this model's tokenizer.json; None (and
     structured output refused) without llguidance or that file."""
     import importlib.util
@@ -94,7 +96,30 @@ def grammar_compiler(model: Path, vocab_size: int, eos_ids: list[int]) -> Gramma
     if importlib.util.find_spec("llguidance") is None or not tokenizer_json.exists():
         log.info("structured output off: needs llguidance and the model's tokenizer.json")
         return None
-    return GrammarCompiler.from_tokenizer_json(tokenizer_json, vocab_size, eos_ids)
+    compiler = GrammarCompiler.from_tokenizer_json(tokenizer_json, vocab_size, eos_ids)
+    return compiler if reads_alike(compiler, tokenizer) else None
+
+
+# Text whose tokens a grammar library must read back byte for byte: quotes, braces, spaces,
+# a newline and a tab, digits and a character outside ASCII.
+PROBE_TEXT = '{"name": "Zoë", "list": [1, 2]}\n\t x'
+
+
+def reads_alike(compiler: GrammarCompiler, tokenizer: Any) -> bool:
+    """Whether llguidance reads the model's tokens as the model's tokenizer writes them. A
+    tokenizer.json it misreads (a byte-level vocabulary taken for literal text, say) would
+    let a mask allow what the grammar forbids; structured output is then refused."""
+    ids = tokenizer.encode(PROBE_TEXT, add_bos=False, encode_special_tokens=False)[0].tolist()
+    read = compiler.decode_bytes(ids)
+    if read != PROBE_TEXT.encode():
+        log.warning(
+            "structured output off: llguidance reads this model's tokenizer.json otherwise "
+            "than its tokenizer (%r for %r)",
+            read[:60],
+            PROBE_TEXT,
+        )
+        return False
+    return True
 
 
 @dataclass
@@ -175,10 +200,10 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             Drafting(settings.draft_tokens, settings.draft_model) if settings.drafting else None
         )
         self.placement = Placement(settings.gpu_split_gb, settings.tensor_parallel)
-        if self.drafting is not None and settings.cuda_graphs:
-            # Every step verifies drafts (several tokens a job): exllamav2's own step, which
-            # the decode graphs (one token a job) never serve.
-            log.info("speculative decoding: CUDA graphs and GPU sampling are not used")
+        if self.drafting is not None:
+            # Every step verifies drafts in exllamav2's own step, which samples each drafted
+            # position on the CPU; its forward passes replay graphs of their own shape.
+            log.info("speculative decoding: %s; sampling on the CPU", self.drafting.describe())
         self.loaded = load_generator(
             model,
             max_batch_size=self.capacity,
@@ -188,7 +213,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             admit_prompt_tokens=settings.admit_prompt_tokens,
             max_chunk_size=settings.max_chunk_size,
             gpu_embedding=settings.gpu_embedding,
-            decode_graphs=settings.cuda_graphs and self.drafting is None,
+            decode_graphs=settings.cuda_graphs,
             placement=self.placement,
             drafting=self.drafting,
         )
@@ -214,7 +239,9 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         # model's end-of-turn token may be only there).
         eos = {self.tokenizer.eos_token_id} - {None}
         self._eos_ids: list[int] = sorted(eos | generation_eos_ids(model))
-        self.grammars = grammar_compiler(model, self.model.config.vocab_size, self._eos_ids)
+        self.grammars = grammar_compiler(
+            model, self.tokenizer, self.model.config.vocab_size, self._eos_ids
+        )
         self._pieces: list[str] | None = None
         self._jobs: dict[str, _Job] = {}
         # Accepted jobs are built only when the next step could start them (build_queue.py).

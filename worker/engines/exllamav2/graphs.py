@@ -142,7 +142,13 @@ class DecodeGraphs:
     _QUANT_KERNEL_ROWS + 1 rows, for the batches that run faster padded to it."""
 
     def __init__(
-        self, model: Any, cache: Any, max_batch: int, max_pages: int, page_size: int
+        self,
+        model: Any,
+        cache: Any,
+        max_batch: int,
+        max_pages: int,
+        page_size: int,
+        q_len: int = 1,
     ) -> None:
         reason = graphs_unsupported_reason(model, cache)
         if reason is not None:
@@ -166,6 +172,8 @@ class DecodeGraphs:
         set_device_streams()
         self._stream = get_device_stream(device_idx) or torch.cuda.current_stream(self._device)
         self._page_size = page_size
+        # Tokens a job feeds a step: 1 to decode; 1 + the drafted tokens to verify drafts.
+        self.q_len = q_len
         self._graphs: dict[int, Any] = {}
         # Batch sizes that replay a larger graph, padded: size -> the graph's size.
         self.padded: dict[int, int] = {}
@@ -175,11 +183,11 @@ class DecodeGraphs:
         # With the embedding table on the GPU (embedding.py) the graph starts from
         # the token ids and gathers their rows itself; else from the rows, gathered on the CPU.
         self._embed_in_graph = embedding_device(model) == str(self._device)
-        input_shape: tuple[int, ...] = (rows, 1)
+        input_shape: tuple[int, ...] = (rows, q_len)
         input_dtype = torch.long
         if not self._embed_in_graph:
             probe = self._embedding.forward(torch.zeros((1, 1), dtype=torch.long))
-            input_shape, input_dtype = (rows, 1, probe.shape[-1]), probe.dtype
+            input_shape, input_dtype = (rows, q_len, probe.shape[-1]), probe.dtype
         gpu = self._device
         self._input = torch.zeros(input_shape, dtype=input_dtype, device=gpu)
         self._block_index = torch.zeros((rows, max_pages), dtype=torch.int32, device=gpu)
@@ -271,7 +279,7 @@ class DecodeGraphs:
             cache_seqlens=torch.zeros((batch,), dtype=torch.int32),
             max_cache_seqlen=0,
             page_size=self._page_size,
-            q_len=1,
+            q_len=self.q_len,
         )
         # One job whose pages happen to be consecutive gets exllamav2's "sequential" path,
         # which slices the cache at host-side offsets; a graph must take the block table.
@@ -329,7 +337,7 @@ class DecodeGraphs:
             return None
         if params.alt_rope_embed or params.rope_offsets is not None:
             return None
-        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+        if input_ids.dim() != 2 or input_ids.shape[1] != self.q_len:
             return None
         if params.block_index.shape[1] > self.max_pages:
             return None
@@ -365,24 +373,48 @@ class DecodeGraphs:
         return {"logits": self._logits[:batch]}
 
 
-def decode_graphs_for(generator: Any, max_batch: int) -> DecodeGraphs:
+def decode_graphs_for(generator: Any, max_batch: int, q_len: int = 1) -> DecodeGraphs:
     """DecodeGraphs, not yet captured, for a paged generator's model and cache: up to
-    `max_batch` jobs, block tables as wide as its longest sequence. GraphsUnsupported if
-    the model cannot be captured."""
+    `max_batch` jobs of `q_len` tokens a step, block tables as wide as its longest
+    sequence. GraphsUnsupported if the model cannot be captured."""
     max_pages = -(-generator.max_seq_len // generator.page_size)
-    return DecodeGraphs(generator.model, generator.cache, max_batch, max_pages, generator.page_size)
+    return DecodeGraphs(
+        generator.model, generator.cache, max_batch, max_pages, generator.page_size, q_len
+    )
 
 
 def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None:
-    """Capture decode graphs for `generator`'s model, or say in the log why not."""
+    """Capture decode graphs for `generator`'s model, or say in the log why not. A drafting
+    generator gets its model's graphs for the verify step (each job feeds its last token and
+    the drafted ones) and its draft model's for the draft steps."""
     if not generator.paged:
         log.info("CUDA graphs off: the generator is not in paged mode")
         return None
+    drafted = int(getattr(generator, "num_draft_tokens", 0))
     try:
-        graphs = decode_graphs_for(generator, max_batch)
+        graphs = decode_graphs_for(generator, max_batch, q_len=1 + drafted)
     except GraphsUnsupported as exc:
         log.info("CUDA graphs off: %s", exc)
         return None
+    if getattr(generator, "draft_model", None) is not None:
+        _install_draft_graphs(generator, max_batch)
+    return _capture(generator, graphs, max_batch)
+
+
+def _install_draft_graphs(generator: Any, max_batch: int) -> None:
+    """The draft model's one-token steps, replayed from graphs of their own."""
+    max_pages = -(-generator.max_seq_len // generator.page_size)
+    try:
+        graphs = DecodeGraphs(
+            generator.draft_model, generator.draft_cache, max_batch, max_pages, generator.page_size
+        )
+    except GraphsUnsupported as exc:
+        log.info("CUDA graphs off for the draft model: %s", exc)
+        return
+    _capture(generator, graphs, max_batch)
+
+
+def _capture(generator: Any, graphs: DecodeGraphs, max_batch: int) -> DecodeGraphs | None:
     try:
         seconds = graphs.capture()
     except Exception as exc:  # a model whose layers cannot be captured still serves eagerly
@@ -397,7 +429,8 @@ def install_decode_graphs(generator: Any, max_batch: int) -> DecodeGraphs | None
     # The warm-up passes wrote into page 0: forget any page the generator might reuse.
     generator.reset_page_table()
     log.info(
-        "CUDA graphs on: decode captured for batch sizes 1..%d (block table %d pages) in %.1f s",
+        "CUDA graphs on: %s captured for batch sizes 1..%d (block table %d pages) in %.1f s",
+        "decode" if graphs.q_len == 1 else f"{graphs.q_len} tokens a job",
         max_batch,
         graphs.max_pages,
         seconds,

@@ -40,7 +40,15 @@ def load_weights(model: Any, cache_tokens: int, placement: Placement) -> Any:
         from exllamav2 import ExLlamaV2Cache_TP
 
         install_tp_attention()
-        model.load_tp(placement.gpu_split_gb, progress=False, expect_cache_tokens=cache_tokens)
+        try:
+            model.load_tp(placement.gpu_split_gb, progress=False, expect_cache_tokens=cache_tokens)
+        except Exception as exc:
+            if "quantized" not in str(exc):
+                raise
+            raise EngineUnavailable(
+                "tensor_parallel: exllamav2 splits only EXL2-quantized weights, and this "
+                f"model's are not ({exc}); use gpu_split to give each GPU whole layers"
+            ) from None
         return ExLlamaV2Cache_TP(model, max_seq_len=cache_tokens)
     if placement.gpu_split_gb is not None:
         model.load(placement.gpu_split_gb, progress=False)

