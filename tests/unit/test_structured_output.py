@@ -291,3 +291,20 @@ def test_apply_reads_only_the_bitmasks_first_rows_and_cuts_a_narrower_row() -> N
     assert (logits[0, :32] == 0).all() and (logits[0, 32:] == -math.inf).all()
     with pytest.raises(ValueError, match="rows"):
         apply_bitmask(torch.zeros(5, 40), bitmask)
+
+
+# -- the transformers engine without a tokenizer llguidance reads ----------------------------
+
+
+def test_an_engine_whose_tokenizer_llguidance_cannot_read_refuses_constraints_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from exlq.worker.engines.transformers.constrained import Constraints
+
+    constraints = Constraints(object(), VOCAB, {0})  # no fast tokenizer: nothing to convert
+    assert "constrained output is off" in caplog.text
+    assert constraints.compile(request()) is None
+    with pytest.raises(InvalidRequest) as caught:
+        constraints.compile(request(regex="[0-9]+"))
+    assert str(caught.value).startswith("regex: this worker cannot constrain output: ")
+    assert "tokenizer" in str(caught.value)
