@@ -94,6 +94,13 @@ def test_a_request_without_a_constraint_compiles_to_none(compiler: GrammarCompil
     assert compiler.vocab_size == VOCAB
 
 
+def test_the_compiler_reads_tokens_as_the_tokenizer_does(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    text = "The quick brown fox, héllo 🦊"
+    assert compiler.decode_bytes(encode(tokenizer, text)) == text.encode()
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

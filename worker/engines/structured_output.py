@@ -127,6 +127,11 @@ class GrammarCompiler:
         )
         return cls(converted, vocab_size)
 
+    def decode_bytes(self, token_ids: Sequence[int]) -> bytes:
+        """The bytes these tokens stand for, as llguidance reads the tokenizer (an engine
+        may check that this agrees with its own tokenizer before it trusts the masks)."""
+        return bytes(self._tokenizer.decode_bytes(list(token_ids)))
+
     def compile(self, request: EngineRequest) -> TokenConstraint | None:
         """The request's constraint, ready for its first token; None when it has none.
         Raises InvalidRequest naming the field when the schema or regex cannot be compiled."""
