@@ -4,6 +4,7 @@ filled one by one and together, and masks applied to logits on the CPU."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,36 @@ def test_the_compiler_reads_tokens_as_the_tokenizer_does(
 ) -> None:
     text = "The quick brown fox, héllo 🦊"
     assert compiler.decode_bytes(encode(tokenizer, text)) == text.encode()
+
+
+def test_a_byte_level_vocabulary_behind_a_sequence_of_decoders_reads_as_bytes(
+    folder: Path, tmp_path: Path, tokenizer: Any, eos: int
+) -> None:
+    # As transformers 5 saves a tokenizer converted from a GGUF file: read as it is, the
+    # byte-level tokens would be literal text to llguidance ("\u010a" for a newline).
+    config = json.loads((folder / "tokenizer.json").read_text())
+    config["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            config["decoder"],
+        ],
+    }
+    saved = tmp_path / "tokenizer.json"
+    saved.write_text(json.dumps(config))
+    text = "The quick\nfox"
+    ids = encode(tokenizer, text)
+    read = GrammarCompiler.from_tokenizer_json(saved, VOCAB, [eos])
+    assert read.decode_bytes(ids) == text.encode()
+    in_memory = tokenizers.Tokenizer.from_str(json.dumps(config))
+    assert in_memory.decode(ids) == text  # the tokenizer itself reads it so
+
+
+def test_a_tokenizer_without_a_rust_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="fast tokenizers"):
+        GrammarCompiler.from_hf_tokenizer(object(), VOCAB, [0])
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ ends, so an engine keeps the end-of-text token as a stop for such a job.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections import OrderedDict
@@ -107,25 +108,33 @@ class GrammarCompiler:
         cls, path: Path, vocab_size: int, eos_ids: Sequence[int]
     ) -> GrammarCompiler:
         """From a Hugging Face tokenizer.json file."""
-        import llguidance
-
-        tokenizer = llguidance.LLTokenizer(
-            path.read_text(encoding="utf-8"), n_vocab=vocab_size, eos_token=list(eos_ids)
-        )
-        return cls(tokenizer, vocab_size)
+        return cls._from_json(path.read_text(encoding="utf-8"), vocab_size, eos_ids)
 
     @classmethod
     def from_hf_tokenizer(
         cls, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]
     ) -> GrammarCompiler:
         """From a transformers tokenizer backed by the tokenizers library (a fast one; one
-        loaded from a GGUF file is)."""
-        import llguidance.hf
+        loaded from a GGUF file is). As llguidance.hf.from_tokenizer reads it (its JSON,
+        added tokens included), with the decoder made readable as for a file."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                "llguidance reads only tokenizers of the tokenizers library (fast tokenizers)"
+            )
+        backend = copy.copy(backend)  # padding and truncation off in the copy only
+        backend.no_padding()
+        backend.no_truncation()
+        return cls._from_json(backend.to_str(), vocab_size, eos_ids)
 
-        converted = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids)
+    @classmethod
+    def _from_json(cls, text: str, vocab_size: int, eos_ids: Sequence[int]) -> GrammarCompiler:
+        import llguidance
+
+        tokenizer = llguidance.LLTokenizer(
+            readable_tokenizer_json(text), n_vocab=vocab_size, eos_token=list(eos_ids)
         )
-        return cls(converted, vocab_size)
+        return cls(tokenizer, vocab_size)
 
     def decode_bytes(self, token_ids: Sequence[int]) -> bytes:
         """The bytes these tokens stand for, as llguidance reads the tokenizer (an engine
@@ -168,6 +177,23 @@ class GrammarCompiler:
         if not isinstance(json.loads(source), dict):
             raise ValueError("a JSON Schema here is an object")
         return str(matcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS))
+
+
+def readable_tokenizer_json(text: str) -> str:
+    """A tokenizer.json as llguidance reads it. transformers 5 saves a byte-level vocabulary
+    converted from a GGUF file with its ByteLevel decoder inside a Sequence of decoders
+    (ByteFallback, Fuse, Replace, ByteLevel); llguidance then takes the tokens for literal
+    text ("\u010a" for a newline), and its masks would allow what a grammar forbids. The
+    ByteLevel decoder alone says the same of such a vocabulary."""
+    config = json.loads(text)
+    decoder = config.get("decoder") or {}
+    if decoder.get("type") != "Sequence":
+        return text
+    byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+    if not byte_level:
+        return text
+    config["decoder"] = byte_level[0]
+    return json.dumps(config)
 
 
 def _plain_error(message: str) -> str:
