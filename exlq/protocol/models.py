@@ -15,6 +15,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -243,6 +244,18 @@ class GenerationRequest(WireModel):
             raise ValueError("v must be the integer 1")
         return value
 
+    @field_validator("regex")
+    @classmethod
+    def _one_constraint(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # response_format comes before regex, so it has been read (if it was valid).
+        form = info.data.get("response_format")
+        if value is not None and form is not None and form.type != "text":
+            raise ValueError(
+                f"give response_format {form.type} or regex, not both: an output is held "
+                "to one constraint"
+            )
+        return value
+
     @field_validator("metadata")
     @classmethod
     def _finite_metadata(cls, value: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
@@ -257,16 +270,6 @@ class GenerationRequest(WireModel):
             raise ValueError(
                 "give exactly one of prompt, messages, input_ids or input_ids_b64 "
                 f"(got {', '.join(given) if given else 'none'})"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _one_constraint(self) -> GenerationRequest:
-        form = self.response_format
-        if self.regex is not None and form is not None and form.type != "text":
-            raise ValueError(
-                f"give response_format {form.type} or regex, not both: an output is held "
-                "to one constraint"
             )
         return self
 

@@ -51,7 +51,8 @@ async def test_an_unknown_model_is_not_found(start_gateway: Any) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
         ({"extra_body": {"best_guess": True}}, "best_guess"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_objet"}}, "response_format"),
+        ({"extra_body": {"regex": ""}}, "regex"),
         ({"top_logprobs": 2}, "top_logprobs"),
     ],
 )
@@ -93,6 +94,20 @@ async def test_a_request_the_worker_refuses_is_a_bad_request_whole_or_streamed(
         with pytest.raises(openai.APIError, match="max_new_tokens"):
             async for _ in stream:
                 pass
+
+
+async def test_structured_output_from_an_engine_that_cannot_constrain_is_a_bad_request(
+    start_worker: Any, start_gateway: Any, queue_name: str
+) -> None:
+    """The gateway passes response_format on; the echo worker refuses it (invalid_request),
+    which the client reads as a 400 saying which engines constrain output."""
+    await start_worker()
+    server = start_gateway()
+    async with async_client(server) as client:
+        with pytest.raises(openai.BadRequestError, match="does not constrain output"):
+            await client.chat.completions.create(
+                model=queue_name, messages=HELLO, response_format={"type": "json_object"}
+            )
 
 
 async def test_a_full_queue_is_rate_limited(

@@ -43,7 +43,8 @@ def smollm2_engine(smollm2_path: Path) -> Iterator[Engine]:
     from exlq.worker.engines.registry import LoadRequest, find
 
     spec = find("transformers")
-    engine = spec.load(LoadRequest(smollm2_path, 8, spec.options({})))
+    # Room for the structured output test's 100 jobs at once (test_structured_output_model.py).
+    engine = spec.load(LoadRequest(smollm2_path, 128, spec.options({})))
     yield engine
     engine.close()
 

@@ -106,6 +106,35 @@ def test_logprobs_ask_the_wire_for_at_least_one_alternative() -> None:
     assert parse_body(CHAT, chat(logprobs=False)).top_logprobs is None
 
 
+PERSON = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "person",
+        "schema": {"type": "object", "properties": {"name": {"type": "string"}}},
+        "strict": True,
+    },
+}
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(
+    "constrained",
+    [
+        {"response_format": PERSON},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "text"}},
+        {"regex": r"\d{4}-\d{2}-\d{2}"},
+        {"response_format": {"type": "text"}, "regex": "yes|no"},
+    ],
+)
+def test_response_format_and_regex_go_to_every_job_as_given(
+    endpoint: str, constrained: dict[str, Any]
+) -> None:
+    body = chat(n=2, **constrained) if endpoint == CHAT else completion(n=2, **constrained)
+    for job in parse_body(endpoint, body).job_fields():
+        assert {name: job[name] for name in constrained} == constrained
+
+
 def test_top_p_zero_is_greedy() -> None:
     [job] = parse_body(COMPLETIONS, completion(top_p=0)).job_fields()
     assert job["sampling"] == {"temperature": 0.0}
@@ -131,7 +160,16 @@ def test_stream_options_ask_for_usage() -> None:
         (CHAT, chat(messages=[]), "messages"),
         (CHAT, chat(tools=[{"type": "function"}]), "tools"),
         (CHAT, chat(tool_choice="auto"), "tool_choice"),
-        (CHAT, chat(response_format={"type": "json_schema"}), "response_format"),
+        (CHAT, chat(response_format={"type": "json_schema"}), "response_format.json_schema"),
+        (CHAT, chat(response_format={"type": "xml"}), "response_format"),
+        (
+            COMPLETIONS,
+            completion(response_format={"type": "json_schema", "json_schema": {"schema": []}}),
+            "response_format.json_schema.schema",
+        ),
+        (COMPLETIONS, completion(regex=""), "regex"),
+        (CHAT, chat(regex=3), "regex"),
+        (CHAT, chat(regex="a", response_format={"type": "json_object"}), "regex"),
         (CHAT, chat(logit_bias={"1": 5}), "logit_bias"),
         (CHAT, chat(top_logprobs=2), "top_logprobs"),
         (CHAT, chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),

@@ -49,6 +49,12 @@ class _CommonBody(_Body):
     top_k: Annotated[int, Field(ge=0, le=100_000)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    # Structured output, OpenAI's shapes ({type: text | json_object | json_schema}), checked
+    # by the wire model (exlq.protocol.models.ResponseFormat). The completions endpoint takes
+    # it too, as vLLM's does.
+    response_format: dict[str, Any] | None = None
+    # exlq's extension (vLLM's guided_regex): a regex the whole output must match.
+    regex: str | None = None
     # Accepted at their "off" value only (unsupported.py).
     logit_bias: dict[str, float] | None = None
 
@@ -90,7 +96,6 @@ class ChatBody(_CommonBody):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None

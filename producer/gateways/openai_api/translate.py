@@ -239,6 +239,10 @@ def _shared_fields(body: ChatBody | CompletionBody) -> dict[str, Any]:
     fields: dict[str, Any] = {"sampling": _sampling(body), "stop": _stop_strings(body.stop)}
     if body.metadata is not None:
         fields["metadata"] = body.metadata
+    if body.response_format is not None:
+        fields["response_format"] = body.response_format
+    if body.regex is not None:
+        fields["regex"] = body.regex
     if isinstance(body, ChatBody) and body.logprobs:
         fields["logprobs"] = max(body.top_logprobs or 0, 1)
     elif isinstance(body, CompletionBody) and body.logprobs is not None:
@@ -276,13 +280,20 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     return strings
 
 
+# Parameters the wire names as OpenAI does: a wire error's field is the parameter at fault.
+_SAME_NAMES = frozenset({"response_format", "regex"})
+
+
 def _check_wire(fields: dict[str, Any]) -> None:
-    """What the wire refuses (a metadata value that is no JSON, say) as a 400 now, not a
-    failed job later."""
+    """What the wire refuses (a metadata value that is no JSON, a malformed response_format,
+    say) as a 400 now, not a failed job later."""
     try:
         build_request(None, fields)
     except InvalidRequest as exc:
-        raise OpenAIError(400, str(exc), code="invalid_request") from None
+        message = str(exc)
+        where = message.split(":", 1)[0]
+        param = where if where.split(".", 1)[0] in _SAME_NAMES else None
+        raise OpenAIError(400, message, param=param, code="invalid_request") from None
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -16,10 +16,6 @@ def _off(value: Any) -> bool:
     return value is None or value is False or value == [] or value == {}
 
 
-def _text_format(value: Any) -> bool:
-    return _off(value) or value == {"type": "text"}
-
-
 def _no_tool(value: Any) -> bool:
     return _off(value) or value == "none"
 
@@ -37,10 +33,6 @@ _CHAT_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (_off, "functions (function calling) are not supported"),
     "tool_choice": (_no_tool, "tool_choice other than 'none' is not supported"),
     "function_call": (_no_tool, "function_call other than 'none' is not supported"),
-    "response_format": (
-        _text_format,
-        "response_format other than {'type': 'text'} is not supported",
-    ),
     "modalities": (_text_only, "modalities other than ['text'] are not supported"),
     "audio": (_off, "audio output is not supported"),
     "prediction": (_off, "predicted outputs are not supported"),

@@ -2,9 +2,10 @@
 
 A step prefills the jobs added since the last one (together, in one pass) and decodes every
 running job by one token (together, in one pass over the left-padded batch, batch.py); then
-each job picks its token with its own sampler and its own random generator (sampling.py),
-and its text goes out as far as it is whole and cannot begin a stop string
-(text_stream.py). Jobs join and leave the batch between steps.
+the rows of constrained jobs (response_format, regex) are masked to what their grammars
+allow (constrained.py), each job picks its token with its own sampler and its own random
+generator (sampling.py), and its text goes out as far as it is whole and cannot begin a
+stop string (text_stream.py). Jobs join and leave the batch between steps.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from exlq.worker.engines.base import (
     EngineOutput,
     EngineUnavailable,
     JobEnded,
+    JobErrored,
     TokenChunk,
 )
 from exlq.worker.engines.engine_request import EngineRequest
 from exlq.worker.engines.registry import LoadRequest
+from exlq.worker.engines.structured_output import TokenConstraint
 from exlq.worker.engines.transformers.batch import ModelCall, PaddedBatch
+from exlq.worker.engines.transformers.constrained import Constraints
 from exlq.worker.engines.transformers.load import LoadedModel, load_model
 from exlq.worker.engines.transformers.prompt import prompt_ids
 from exlq.worker.engines.transformers.sampling import JobSampler, top_logprobs
@@ -59,6 +63,7 @@ class _Job:
     sampler: JobSampler
     text: TextStream
     stop_ids: frozenset[int]
+    constraint: TokenConstraint | None  # the grammar its output follows, if any
     completion_tokens: int = 0
     next_input: int = -1  # the token chosen last, which the next step feeds the model
     # Tokens whose text has not gone out yet (held back, or half a character), and their
@@ -86,6 +91,7 @@ class TransformersEngine(Engine):
         self.max_seq_len = min(limits) if limits else FALLBACK_CONTEXT
         self.prefill_batch_tokens = settings.prefill_batch_tokens
         self._eos_ids = _eos_ids(model, self.tokenizer)
+        self._constraints = Constraints(self.tokenizer, self.logits_width, self._eos_ids)
         self._batch = PaddedBatch(ModelCall(model), self.device)
         self._waiting: list[_Job] = []  # added, not yet prefilled, in order
         self._jobs: dict[str, _Job] = {}  # every job, waiting or running
@@ -124,6 +130,7 @@ class TransformersEngine(Engine):
                 f"exceeds the {self.max_seq_len} tokens this worker can hold for one job: "
                 "shorten the prompt or lower max_new_tokens"
             )
+        constraint = self._constraints.compile(request)
         seed = request.sampling.seed
         job = _Job(
             job_id,
@@ -138,12 +145,16 @@ class TransformersEngine(Engine):
             ),
             TextStream(self._decode, request.stop, ids),
             self._stop_ids(request),
+            constraint,
         )
         self._waiting.append(job)
         self._jobs[job_id] = job
 
     def _stop_ids(self, request: EngineRequest) -> frozenset[int]:
-        eos = frozenset() if request.ignore_eos else self._eos_ids
+        # A constrained output ends where its grammar says, ignore_eos or not: its grammar
+        # allows the end-of-text token only there.
+        keep_going = request.ignore_eos and request.constraint is None
+        eos = frozenset() if keep_going else self._eos_ids
         return frozenset(request.stop_token_ids) | eos
 
     def cancel(self, job_id: str) -> JobEnded | None:
@@ -192,10 +203,17 @@ class TransformersEngine(Engine):
             rows, logits = self._forward()
             if logits is None:
                 return []
-            tokens = self._choose(rows, logits)
+            # Filled once the forward pass is queued: on a GPU the masks are computed while
+            # it runs (they depend only on the tokens already taken).
+            masked = self._constraints.masked_rows(
+                [(row, job.constraint) for row, job in enumerate(rows) if job.constraint],
+                logits,
+            )
+            tokens = self._choose(rows, logits, masked)
             outputs: list[EngineOutput] = []
             ended: set[str] = set()
             for row, (job, token) in enumerate(zip(rows, tokens, strict=True)):
+                # The model's own distribution, before the mask (as before penalties).
                 choices = self._choices(logits[row], token, job.request.logprobs)
                 if self._advance(job, token, choices, outputs):
                     ended.add(job.job_id)
@@ -234,14 +252,19 @@ class TransformersEngine(Engine):
         del self._waiting[: len(taken)]
         return taken
 
-    def _choose(self, rows: list[_Job], logits: Any) -> list[int]:
+    def _choose(self, rows: list[_Job], logits: Any, masked: dict[int, Any]) -> list[int]:
         """Every row's next token. Plain greedy rows are read from one argmax of the whole
-        batch (one transfer from the device), the others each from their own sampler."""
+        batch (one transfer from the device), the others each from their own sampler; a
+        constrained row from its masked logits."""
         greedy = logits.argmax(dim=-1).tolist()
         tokens = []
         for row, job in enumerate(rows):
             sampler = job.sampler
-            token = greedy[row] if sampler.plain_greedy else sampler.choose(logits[row])
+            scores = masked.get(row)
+            if scores is not None:
+                token = int(scores.argmax()) if sampler.plain_greedy else sampler.choose(scores)
+            else:
+                token = greedy[row] if sampler.plain_greedy else sampler.choose(logits[row])
             sampler.chose(token)
             tokens.append(token)
         return tokens
@@ -253,12 +276,17 @@ class TransformersEngine(Engine):
         job.completion_tokens += 1
         if token in job.stop_ids:  # its text is not part of the completion
             return self._end(job, "stop", job.text.finish(), outputs)
+        if job.constraint is not None and not job.constraint.accept(token):
+            return self._broke(job, outputs)
         job.unsent_ids.append(token)
         if choices is not None:
             job.unsent_choices.append(choices)
         text = job.text.push(token)
         if job.text.stopped:
             return self._end(job, "stop", text, outputs)
+        if job.constraint is not None and job.constraint.finished:
+            # Its grammar is complete and allows nothing more (a JSON value closed).
+            return self._end(job, "stop", text + job.text.finish(), outputs)
         if job.completion_tokens >= job.request.max_new_tokens:
             text += job.text.finish()  # the held-back tail may still complete a stop string
             return self._end(job, "stop" if job.text.stopped else "length", text, outputs)
@@ -271,6 +299,14 @@ class TransformersEngine(Engine):
         if text or job.unsent_ids:
             outputs.append(self._chunk(job, text))
         outputs.append(JobEnded(job.job_id, reason, len(job.prompt), job.completion_tokens))
+        return True
+
+    def _broke(self, job: _Job, outputs: list[EngineOutput]) -> bool:
+        """A token its mask did not allow (a sampler's fault): the job fails."""
+        error = job.constraint.error if job.constraint is not None else ""
+        outputs.append(
+            JobErrored(job.job_id, "engine_error", f"the output broke its constraint: {error}")
+        )
         return True
 
     def _chunk(self, job: _Job, text: str) -> TokenChunk:
