@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -105,6 +106,18 @@ def submit(
             "--chat", help="send the prompt as a user message, in the model's chat template"
         ),
     ] = False,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(
+            "--json-schema",
+            help="a JSON Schema file the output must match (response_format json_schema)",
+            dir_okay=False,
+        ),
+    ] = None,
+    json_object: Annotated[
+        bool, typer.Option("--json-object", help="the output is a JSON object")
+    ] = False,
+    regex: Annotated[str | None, typer.Option(help="a pattern the whole output must match")] = None,
 ) -> None:
     """Submit a job and print its result (or its tokens as they arrive with --stream).
 
@@ -129,9 +142,31 @@ def submit(
         fields["id"] = job_id
     if chat:
         fields["messages"] = [{"role": "user", "content": text}]
+    fields.update(_structure(json_schema, json_object, regex))
     _show_sdk_warnings()
     options = _SubmitOptions(stream, as_json, timeout, wait_for_worker)
     _run(_submit(redis_url, queue, prefix, None if chat else text, fields, options))
+
+
+def _structure(json_schema: Path | None, json_object: bool, regex: str | None) -> dict[str, Any]:
+    """The request's response_format / regex from submit's options (the wire refuses two)."""
+    if json_schema is not None and json_object:
+        raise _fail("give --json-schema or --json-object, not both")
+    fields: dict[str, Any] = {}
+    if json_schema is not None:
+        try:
+            schema = json.loads(json_schema.read_text())
+        except (OSError, ValueError) as exc:
+            raise _fail(f"--json-schema {json_schema}: {exc}") from None
+        fields["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": json_schema.stem, "schema": schema},
+        }
+    elif json_object:
+        fields["response_format"] = {"type": "json_object"}
+    if regex is not None:
+        fields["regex"] = regex
+    return fields
 
 
 @dataclass(frozen=True)

@@ -93,3 +93,40 @@ def test_a_queue_without_workers_is_an_error_that_says_so(redis_url: str, queue_
     ) in done.stderr
     assert "--wait-for-worker" in done.stderr
     assert done.stdout == ""
+
+
+async def test_json_schema_and_regex_go_into_the_request(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: Any, tmp_path: Any
+) -> None:
+    await start_worker()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    path = tmp_path / "count.json"
+    path.write_text(json.dumps(schema))
+    done = await asyncio.to_thread(
+        _submit, redis_url, queue_name, "--json-schema", str(path), "--timeout", "20"
+    )
+    # The echo engine cannot constrain output and says so; the request carried the schema.
+    assert done.returncode == 1
+    assert "invalid_request" in done.stderr and "echo engine" in done.stderr, done.stderr
+    entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
+    request = json.loads(entries[-1][1][b"job"])
+    assert request["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "count", "schema": schema},
+    }
+    done = await asyncio.to_thread(
+        _submit, redis_url, queue_name, "--regex", "[0-9]+", "--timeout", "20"
+    )
+    entries = await redis_client.xrange(QueueKeys(queue_name).jobs)
+    assert json.loads(entries[-1][1][b"job"])["regex"] == "[0-9]+"
+
+
+def test_a_schema_file_that_is_no_json_is_refused_before_anything_is_sent(
+    redis_url: str, queue_name: str, tmp_path: Any
+) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    done = _submit(redis_url, queue_name, "--json-schema", str(path))
+    assert done.returncode == 1
+    assert f"--json-schema {path}:" in done.stderr
+    assert not _JOB_LINE.search(done.stderr)
