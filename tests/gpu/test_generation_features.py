@@ -147,7 +147,8 @@ def test_drafting_gives_the_greedy_text_of_no_drafting(
     engine: Engine, model_dir: Path, options: dict[str, Any]
 ) -> None:
     requests = {
-        f"j{i}": greedy(f"{i} {PROMPT} " * 4, max_new_tokens=48, ignore_eos=True) for i in range(4)
+        f"j{i}": greedy(f"{i} {PROMPT} " * 4, max_new_tokens=48, ignore_eos=True, logprobs=2)
+        for i in range(4)
     }
     want = run(engine, requests)
     if options.get("draft_model") == "SELF":
@@ -171,7 +172,12 @@ def test_drafting_gives_the_greedy_text_of_no_drafting(
         )
         # Random weights: near-ties everywhere, and verification runs other kernel shapes,
         # so greedy may part after a while (SmolLM2's test compares a real model's text).
-        print(f"\n{options}: {job_id} parted at {parted}")
+        margin = None
+        if parted is not None:
+            choices = [c for chunk in want["chunks"][job_id] for c in chunk.logprobs or []]
+            top = choices[parted].top
+            margin = round(top[0].logprob - top[1].logprob, 4)  # the top two logits' gap
+        print(f"\n{options}: {job_id} parted at {parted}, top-two margin there {margin}")
         assert plain[:4] == drafted[:4], (job_id, parted)
 
 

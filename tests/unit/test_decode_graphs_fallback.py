@@ -28,12 +28,21 @@ class _Graphs:
     installed = False
     fail = True
     padded: ClassVar[dict[int, int]] = {}
+    made: ClassVar[list[tuple[Any, int]]] = []  # (model, q_len) of each one made
 
     def __init__(
-        self, model: Any, cache: Any, max_batch: int, max_pages: int, page_size: int
+        self,
+        model: Any,
+        cache: Any,
+        max_batch: int,
+        max_pages: int,
+        page_size: int,
+        q_len: int = 1,
     ) -> None:
         assert (max_batch, max_pages, page_size) == (4, 32, 256)
         self.max_pages = max_pages
+        self.q_len = q_len
+        _Graphs.made.append((model, q_len))
 
     def capture(self) -> float:
         if self.fail:
@@ -49,6 +58,7 @@ def fake_graphs(monkeypatch: pytest.MonkeyPatch) -> type[_Graphs]:
     monkeypatch.setattr(exllamav2_graphs, "graphs_unsupported_reason", lambda m, c: None)
     monkeypatch.setattr(exllamav2_graphs, "DecodeGraphs", _Graphs)
     _Graphs.installed = False
+    _Graphs.made = []
     return _Graphs
 
 
@@ -71,6 +81,24 @@ def test_captured_graphs_are_installed_and_pages_forgotten(fake_graphs: type[_Gr
         assert fake_graphs.installed and generator.resets == 1
     finally:
         fake_graphs.fail = True
+
+
+def test_a_drafting_generator_gets_verify_graphs_and_its_draft_models(
+    fake_graphs: type[_Graphs], caplog: pytest.LogCaptureFixture
+) -> None:
+    generator = _Generator()
+    generator.num_draft_tokens = 4  # type: ignore[attr-defined]
+    generator.draft_model = draft = object()  # type: ignore[attr-defined]
+    generator.draft_cache = object()  # type: ignore[attr-defined]
+    fake_graphs.fail = False
+    try:
+        with caplog.at_level(logging.INFO):
+            assert exllamav2_graphs.install_decode_graphs(generator, 4) is not None
+    finally:
+        fake_graphs.fail = True
+    # The model verifies its last token and the 4 drafted ones; the draft steps one at a time.
+    assert fake_graphs.made == [(_Generator.model, 5), (draft, 1)]
+    assert "5 tokens a job captured" in caplog.text and "decode captured" in caplog.text
 
 
 def test_the_log_names_the_batches_that_replay_padded(

@@ -384,7 +384,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         from exllamav2.generator import ExLlamaV2DynamicJob
 
         from exlq.worker.engines.exllamav2.generator import ready_job
-        from exlq.worker.engines.exllamav2.logprobs import RawLogprobJob
+        from exlq.worker.engines.exllamav2.logprob_job import RawLogprobJob
 
         request = checked.request
         stops: list[int | str] = [*request.stop, *request.stop_token_ids]

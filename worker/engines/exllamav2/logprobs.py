@@ -7,7 +7,7 @@ log-softmax before any of that, so exlq computes them from the raw logits itself
 - on exlq's decode step (generator.py), for every job that asks, in one batch on the GPU,
   before a grammar's mask touches the logits;
 - on exllamav2's own step (the one that verifies drafted tokens), in the job's
-  receive_logits, which gets the raw logits row (RawLogprobJob).
+  receive_logits, which gets the raw logits row (logprob_job.RawLogprobJob).
 
 A job asks for ``count`` alternatives; exllamav2 is told ``count + 1`` so that its held-back
 buffers (text held for stop strings goes out with its logprobs) carry one more column: the
@@ -16,10 +16,7 @@ chosen token. The values carried are logprobs, not probabilities.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from exllamav2.generator import ExLlamaV2DynamicJob
 
 from exlq.protocol.models import TokenChoices, TokenLogprob
 
@@ -40,22 +37,6 @@ def top_logprobs(
     ids = torch.cat([ids, chosen], dim=1)
     values = torch.cat([values, logprobs.gather(1, chosen)], dim=1)
     return ids, values.clamp_min(MIN_LOGPROB)
-
-
-class RawLogprobJob(ExLlamaV2DynamicJob):  # type: ignore[misc]
-    """An exllamav2 job whose reported top tokens are the model's raw distribution's, where
-    exllamav2's own step samples it (the drafting step). ``return_top_tokens`` is the
-    request's count plus one (the chosen token's column)."""
-
-    def receive_logits(self, logits: torch.Tensor) -> Any:
-        token, _, _, prob, filter_eos = super().receive_logits(logits)
-        ids, values = top_logprobs(
-            logits[:1, 0, :],
-            token.view(1).to(logits.device),
-            self.return_top_tokens - 1,
-            self.generator.tokenizer.get_vocab_size(),
-        )
-        return token, ids.view(1, 1, -1), values.view(1, 1, -1), prob, filter_eos
 
 
 def token_choices(
