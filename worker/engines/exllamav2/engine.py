@@ -316,11 +316,17 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
                 "response_format / regex: this worker cannot constrain output (llguidance is "
                 "not installed, or the model has no tokenizer.json)"
             )
-        if self.drafting is not None or not hasattr(self.generator, "gpu_sampled"):
+        if self.drafting is not None:
             raise InvalidRequest(
                 "response_format / regex: this worker drafts tokens (speculative decoding), "
                 "whose verify step cannot constrain output; send it to a worker without "
                 "draft_model or ngram_draft"
+            )
+        if not hasattr(self.generator, "gpu_sampled"):
+            raise InvalidRequest(
+                "response_format / regex: this worker runs exllamav2's own generator (an "
+                "exllamav2 other than 0.3.2, or every exlq option off), which cannot "
+                "constrain output"
             )
         return self.grammars.compile(request)
 

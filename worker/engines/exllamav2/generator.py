@@ -12,7 +12,9 @@ exllamav2 0.3.2's iterate_gen does, step for step, except that jobs on the CPU p
 sampled on the calling thread (exllamav2's sampling-thread pool gained nothing over it), and
 that jobs entering decode are not stamped through a GPU sync each.
 tests/gpu/test_gpu_sampling.py checks the hook points and that greedy output does not
-change.
+change. The same decode step (without gpu_sampling too, every job then on the CPU) masks
+constrained jobs' logits with their grammars (grammar_masks.py) and reports logprobs from
+the step's raw logits (logprobs.py); a drafting step is exllamav2's own.
 
 With prefill_batch_tokens > 0 it overrides iterate() to run its jobs' prefill passes through
 prefill.PrefillBatcher: batched, instead of one eager pass per job. In that loop a
