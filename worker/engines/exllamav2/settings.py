@@ -67,7 +67,7 @@ class ExLlamaV2Settings(BaseSettings):
     tensor_parallel: bool = Field(
         False,
         description="split every layer over the visible GPUs (exllamav2's tensor "
-        "parallelism) instead of giving each GPU whole layers",
+        "parallelism; EXL2 weights only) instead of giving each GPU whole layers",
     )
 
     @model_validator(mode="after")
