@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from pipe_timing import best_seconds  # this folder's: scripts run as python scripts/NAME.py
 from transformers import AutoTokenizer
 
 from exlq.protocol.models import GenerationRequest
@@ -48,16 +48,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 OUTPUT = '{"name":"Alice Smith","age":26,"color":"blue","hobbies":["reading","chess"]}'
-
-
-def best_seconds(call: Callable[[], object], calls: int, rounds: int = 7) -> float:
-    times = []
-    for _ in range(rounds):
-        began = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - began) / calls)
-    return min(times)
 
 
 def smollm2_tokenizer() -> object:
