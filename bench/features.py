@@ -4,7 +4,7 @@ one GPU against split over several.
 
     python -m bench.features constrained --shape 1b --jobs 64
     python -m bench.features drafting --shape 8b --draft-shape 1b
-    python -m bench.features placement --shape 8b --jobs 1,64 --gpu-split 8,8
+    python -m bench.features placement --shape 8b --jobs 1,64 --gpu-split 8,8 --exl2-bits 4
 
 Each run prints a Markdown table (tokens/s of completion tokens over the burst's wall time,
 TTFT p50) and writes it as JSON under --out.
@@ -193,18 +193,35 @@ def _count_drafts(engine: Engine) -> _DraftCounts:
 
 
 def placement(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
-    """The model on one GPU, split by layers, and split by tensor parallelism: tokens/s at
-    each job count, and whether greedy text equals one GPU's."""
-    cases: list[tuple[str, dict[str, Any]]] = [
-        ("one GPU", {}),
-        (f"layers {args.gpu_split}", {"gpu_split": args.gpu_split}),
-        ("tensor parallel", {"tensor_parallel": True}),
+    """The model on one GPU, split by layers, and split by tensor parallelism (on an EXL2
+    conversion, the only weights exllamav2 splits so): tokens/s at each job count, then a
+    greedy check of 8 jobs against a reference placement, eager like the split ones, with
+    the top-two logprob margin where a job's text parts from it."""
+    fp16 = "fp16, one GPU, graphs off"
+    cases: list[tuple[str, Path, dict[str, Any], str | None]] = [
+        ("fp16, one GPU", model, {}, fp16),
+        (fp16, model, {"cuda_graphs": False}, None),
+        (f"fp16, layers {args.gpu_split}", model, {"gpu_split": args.gpu_split}, fp16),
+        ("fp16, tensor parallel", model, {"tensor_parallel": True}, fp16),
     ]
-    rows = []
-    reference: dict[int, list[str]] = {}
-    for name, options in cases:
+    rows: list[dict[str, Any]] = []
+    if args.exl2_bits:
+        from bench.exl2 import exl2_checkpoint
+
+        shape = args.exl2_shape or args.shape
+        exl2, seconds = exl2_checkpoint(args.models, shape, args.exl2_bits)
+        name = f"EXL2 {args.exl2_bits} bpw {shape}"
+        rows.append({"case": f"{name} conversion", "seconds": round(seconds)})
+        eager = f"{name}, one GPU, graphs off"
+        cases += [
+            (f"{name}, one GPU", exl2, {}, eager),
+            (eager, exl2, {"cuda_graphs": False}, None),
+            (f"{name}, tensor parallel", exl2, {"tensor_parallel": True}, eager),
+        ]
+    references: dict[str, list[list[tuple[int, float]]]] = {}
+    for name, path, options, reference in cases:
         try:
-            engine = load(model, max(args.jobs), **options)
+            engine = load(path, max(args.jobs), **options)
         except Exception as exc:  # a placement that cannot load is a result too
             rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
@@ -220,21 +237,71 @@ def placement(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                     for i in range(jobs)
                 ]
                 result = run_burst(engine, burst)
-                texts = result.pop("texts")
-                same = reference.setdefault(jobs, texts) == texts
-                rows.append(
-                    {
-                        "case": name,
-                        **result,
-                        "same_text_as_one_gpu": same,
-                        "graphs": info["decode_graphs"],
-                    }
-                )
+                result.pop("texts")
+                rows.append({"case": name, **result, "graphs": info["decode_graphs"]})
+            choices = greedy_choices(engine, jobs=8, new_tokens=64)
+            references[name] = choices
+            row = {"case": name, "weights": info["placement"]}
+            if reference in references:
+                row.update(compare_greedy(references[reference], choices, against=reference))
+            rows.append(row)
         except Exception as exc:
             rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
         finally:
             engine.close()
+        _save(args, rows)
     return rows
+
+
+def greedy_choices(engine: Engine, jobs: int, new_tokens: int) -> list[list[tuple[int, float]]]:
+    """Each of ``jobs`` greedy jobs' tokens, with the margin between its step's top two
+    logprobs."""
+    burst = {
+        f"g{i}": GenerationRequest(
+            prompt=f"{i} {PROMPT_WORDS}",
+            max_new_tokens=new_tokens,
+            sampling={"temperature": 0.0},  # type: ignore[arg-type]
+            ignore_eos=True,
+            logprobs=2,
+        )
+        for i in range(jobs)
+    }
+    for job_id, request in burst.items():
+        engine.add(job_id, request)
+    steps: dict[str, list[tuple[int, float]]] = {job_id: [] for job_id in burst}
+    ended: set[str] = set()
+    while len(ended) < jobs:
+        for out in engine.step():
+            if isinstance(out, TokenChunk):
+                for token, choice in zip(out.token_ids, out.logprobs or [], strict=True):
+                    margin = choice.top[0].logprob - choice.top[1].logprob
+                    steps[out.job_id].append((token, margin))
+            elif isinstance(out, (JobEnded, JobErrored)):
+                ended.add(out.job_id)
+    return list(steps.values())
+
+
+def compare_greedy(
+    want: list[list[tuple[int, float]]], got: list[list[tuple[int, float]]], against: str
+) -> dict[str, Any]:
+    """How many jobs' greedy tokens equal the reference's, and where the others part, the
+    reference's top-two margin there (small: a near tie that rounding can turn)."""
+    margins = []
+    for reference, tokens in zip(want, got, strict=True):
+        pairs = enumerate(zip(reference, tokens, strict=True))
+        parted = next((n for n, (a, b) in pairs if a[0] != b[0]), None)
+        if parted is not None:
+            margins.append(round(reference[parted][1], 4))
+    return {
+        "greedy_same_as": against,
+        "same_jobs": f"{len(want) - len(margins)} of {len(want)}",
+        "margins_where_parted": margins,
+    }
+
+
+def _save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.what}-{args.shape}.json").write_text(json.dumps(rows, indent=1))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -255,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gpu-split", default="8,8")
+    parser.add_argument("--exl2-bits", type=float, default=0.0, help="placement: EXL2 too")
+    parser.add_argument("--exl2-shape", default="", help="the EXL2 cases' shape (--shape)")
     parser.add_argument("--models", type=Path, default=Path("/tmp/exlq-models"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/features"))
     args = parser.parse_args(argv)
@@ -262,8 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     run = {"constrained": constrained, "drafting": drafting, "placement": placement}[args.what]
     rows = run(args, model)
     print(f"\n## {args.what}, {args.shape}\n\n{table(rows)}\n", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.what}-{args.shape}.json").write_text(json.dumps(rows, indent=1))
+    _save(args, rows)
 
 
 if __name__ == "__main__":

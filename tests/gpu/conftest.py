@@ -34,6 +34,18 @@ def model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("models") / "llama-1b-random", "1b")
 
 
+@pytest.fixture(scope="session")
+def exl2_model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight shape, quantized to 4.0 bpw by exllamav2's own converter."""
+    from bench.exl2 import convert_exl2
+    from bench.make_checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("exl2")
+    out = root / "llama-tiny-exl2-4.0bpw"
+    convert_exl2(make_checkpoint(root / "llama-tiny-random", "tiny"), out, bits=4.0)
+    return out
+
+
 @pytest.fixture
 def make_loaded(model_dir: Path) -> Iterator[Callable[..., Any]]:
     """make_loaded(exlq=False, max_batch=8, prefill_batch_tokens=0, admit_prompt_tokens=0,

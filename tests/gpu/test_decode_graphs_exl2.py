@@ -4,8 +4,6 @@ multiplies from the quantized weights; above, it dequantizes and calls cuBLAS)."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +20,6 @@ pytestmark = [
 JOBS = 40  # the batch shrinks from 40 rows, through 32, to a few
 PROMPT_TOKENS = [5 + (37 * i) % 300 for i in range(JOBS)]
 NEW_TOKENS = [4 + (7 * i) % 17 for i in range(JOBS)]
-
-
-@pytest.fixture(scope="module")
-def exl2_model_dir(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random-weight shape, quantized to 4.0 bpw by exllamav2's own converter."""
-    from bench.make_checkpoint import make_checkpoint
-
-    root = tmp_path_factory.mktemp("exl2")
-    fp16 = make_checkpoint(root / "llama-tiny-random", "tiny")
-    out = root / "llama-tiny-exl2-4.0bpw"
-    converter = [sys.executable, "-m", "exllamav2.conversion.convert_exl2"]
-    calibration = ["-b", "4.0", "-r", "4", "-l", "256", "-mr", "2", "-ml", "256"]
-    args = ["-i", str(fp16), "-o", str(root / "work"), "-cf", str(out), *calibration]
-    done = subprocess.run([*converter, *args], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
 
 
 def _load(model_dir: Path, decode_graphs: bool) -> Any:

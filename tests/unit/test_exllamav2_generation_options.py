@@ -24,6 +24,21 @@ def test_drafting_and_placement_settings() -> None:
     assert ExLlamaV2Settings(gpu_split="20,12.5").gpu_split_gb == [20.0, 12.5]
 
 
+def test_where_the_weights_sit_is_said_per_gpu() -> None:
+    from types import SimpleNamespace
+
+    from exlq.worker.engines.exllamav2.placement import where_loaded
+
+    def module(device: int | None) -> SimpleNamespace:
+        return SimpleNamespace(device_idx=device)
+
+    # The embedding table on the CPU (-1) is not counted; the layers are, per GPU.
+    split = SimpleNamespace(modules=[module(-1), module(0), module(0), module(1), module(1)])
+    assert where_loaded(split) == "cuda:0 2 modules, cuda:1 2 modules"
+    parallel = SimpleNamespace(modules=[], tp_context=SimpleNamespace(all_devs=[0, 1]))
+    assert where_loaded(parallel) == "tensor parallel over cuda:0, cuda:1"
+
+
 @pytest.mark.parametrize(
     ("options", "problem"),
     [

@@ -40,7 +40,7 @@ from exlq.worker.engines.base import (
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids, sampling_settings
 from exlq.worker.engines.exllamav2.build_queue import Accepted, BuildQueue, room_for_one_more
-from exlq.worker.engines.exllamav2.placement import Drafting, Placement
+from exlq.worker.engines.exllamav2.placement import Drafting, Placement, where_loaded
 from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
 from exlq.worker.engines.registry import LoadRequest
 
@@ -251,9 +251,10 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         # needs independent streams, not secrets: a 64-bit seed per job gives them.
         self._seeds = random.Random()
         log.info(
-            "exllamav2 ready: %s, cache %d tokens, capacity %d, attention %s, CUDA graphs %s, "
-            "sampling on the %s, embedding table on the %s, prefill %s, %s",
+            "exllamav2 ready: %s (%s), cache %d tokens, capacity %d, attention %s, CUDA graphs "
+            "%s, sampling on the %s, embedding table on the %s, prefill %s, %s",
             model.name,
+            where_loaded(self.model),
             cache_tokens,
             self.capacity,
             attention,
@@ -282,7 +283,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             "prefill_batch_tokens": str(self.prefill_batch_tokens),
             "admit_prompt_tokens": str(self.admit_prompt_tokens),
             "gpu_embedding": "on" if self.gpu_embedding else "off",
-            "placement": self.placement.describe(),
+            "placement": where_loaded(self.model),
             "drafting": "off" if self.drafting is None else self.drafting.describe(),
             "structured_output": "on" if self.grammars is not None else "off",
         }

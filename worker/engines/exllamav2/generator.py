@@ -183,8 +183,11 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         if prefill_batch_tokens > 0 and self.paged:
             config = self.model.config
             scratch_rows = config.max_input_len * config.max_batch_size
+            # Tensor parallelism runs its attention in exllamav2's C++, past the hook that
+            # keeps a padded row's padding out of the cache: it batches equal lengths only.
+            padding = padding_supported() and getattr(self.model, "tp_context", None) is None
             self.prefill_batcher = PrefillBatcher(
-                self, min(prefill_batch_tokens, scratch_rows), padding_supported()
+                self, min(prefill_batch_tokens, scratch_rows), padding
             )
 
     def iterate_start_jobs(self, results: list[Any]) -> None:

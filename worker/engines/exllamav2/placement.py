@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,6 @@ log = logging.getLogger(__name__)
 class Placement:
     gpu_split_gb: list[float] | None = None  # GB of weights per GPU; None: autosplit
     tensor_parallel: bool = False
-
-    def describe(self) -> str:
-        split = "auto" if self.gpu_split_gb is None else ",".join(map(str, self.gpu_split_gb))
-        return f"tensor parallel over {split}" if self.tensor_parallel else f"layers split {split}"
 
 
 def load_weights(model: Any, cache_tokens: int, placement: Placement) -> Any:
@@ -56,6 +53,20 @@ def load_weights(model: Any, cache_tokens: int, placement: Placement) -> Any:
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=False)
     return cache
+
+
+def where_loaded(model: Any) -> str:
+    """Where the loaded model's weights sit, in words: its modules (attention, MLP, head)
+    per GPU, or the GPUs tensor parallelism splits every layer over."""
+    context = getattr(model, "tp_context", None)
+    if context is not None:
+        return "tensor parallel over " + ", ".join(f"cuda:{d}" for d in context.all_devs)
+    on_gpus = Counter(
+        module.device_idx
+        for module in model.modules
+        if module.device_idx is not None and module.device_idx >= 0
+    )
+    return ", ".join(f"cuda:{d} {n} modules" for d, n in sorted(on_gpus.items()))
 
 
 def install_tp_attention() -> None:
