@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,7 @@ def run_burst(engine: Engine, requests: list[GenerationRequest]) -> dict[str, An
     for i, request in enumerate(requests):
         engine.add(f"j{i}", request)
     first: dict[str, float] = {}
-    tokens = 0
+    tokens = drafted = accepted = 0
     ended: dict[str, str] = {}
     texts: dict[str, str] = {}
     while len(ended) < len(requests):
@@ -73,6 +72,8 @@ def run_burst(engine: Engine, requests: list[GenerationRequest]) -> dict[str, An
                 texts[out.job_id] = texts.get(out.job_id, "") + out.text
             elif isinstance(out, JobEnded):
                 tokens += out.completion_tokens
+                drafted += out.draft_tokens or 0
+                accepted += out.accepted_draft_tokens or 0
                 ended[out.job_id] = out.finish_reason
             elif isinstance(out, JobErrored):
                 ended[out.job_id] = f"error: {out.message}"
@@ -83,6 +84,7 @@ def run_burst(engine: Engine, requests: list[GenerationRequest]) -> dict[str, An
         "tokens_per_s": round(tokens / wall, 1),
         "ttft_p50_ms": round(statistics.median(first.values()) * 1000, 1) if first else None,
         "finish": {r: list(ended.values()).count(r) for r in set(ended.values())},
+        "acceptance": round(accepted / drafted, 3) if drafted else None,
         "texts": [texts.get(f"j{i}", "") for i in range(len(requests))],
     }
 
@@ -143,11 +145,9 @@ def drafting(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     rows = []
     for name, options in cases:
         engine = load(model, 8, **options)
-        accepted = _count_drafts(engine)
         try:
             greedy: dict[str, Any] = {"sampling": {"temperature": 0.0}, "ignore_eos": True}
             run_burst(engine, [GenerationRequest(prompt="warm up", max_new_tokens=16, **greedy)])
-            accepted.clear()
             for repeat in range(args.repeats):
                 request = GenerationRequest(
                     prompt=f"{repeat} {PROMPT_WORDS}",
@@ -156,40 +156,10 @@ def drafting(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                 )
                 result = run_burst(engine, [request])
                 text = result.pop("texts")[0]
-                rows.append(
-                    {
-                        "case": name,
-                        "repeat": repeat,
-                        **result,
-                        **accepted.rates(),
-                        "text": text[:60],
-                    }
-                )
-                accepted.clear()
+                rows.append({"case": name, "repeat": repeat, **result, "text": text[:60]})
         finally:
             engine.close()
     return rows
-
-
-class _DraftCounts(dict[str, int]):
-    def rates(self) -> dict[str, Any]:
-        done = self.get("accepted", 0) + self.get("rejected", 0)
-        return {**self, "acceptance": round(self.get("accepted", 0) / done, 3) if done else None}
-
-
-def _count_drafts(engine: Engine) -> _DraftCounts:
-    """Sum exllamav2's per-job draft counts (in its end results) as the engine reads them."""
-    counts = _DraftCounts()
-    read: Callable[..., None] = engine._add_outputs  # type: ignore[attr-defined]
-
-    def counting(result: dict[str, Any], outputs: list[Any]) -> None:
-        if result.get("eos"):
-            counts["accepted"] = counts.get("accepted", 0) + result.get("accepted_draft_tokens", 0)
-            counts["rejected"] = counts.get("rejected", 0) + result.get("rejected_draft_tokens", 0)
-        read(result, outputs)
-
-    engine._add_outputs = counting  # type: ignore[attr-defined]
-    return counts
 
 
 def placement(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:

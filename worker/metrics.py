@@ -132,6 +132,13 @@ class Metrics:
         self._prefix_hits = counter(
             "exlq_prefix_cache_hits", "Prompt tokens found in the prefix cache (no prefill)."
         )
+        # Speculative decoding, as vLLM counts it: the acceptance rate is accepted / drafted.
+        self._draft_tokens = counter(
+            "exlq_draft_tokens", "Tokens drafted (a draft model or n-grams) and verified."
+        )
+        self._draft_accepted = counter(
+            "exlq_draft_tokens_accepted", "Drafted tokens the model accepted."
+        )
         self._pages_used = gauge("exlq_cache_pages_used", "KV cache pages in use.")
         self._pages_total = gauge("exlq_cache_pages_total", "KV cache pages in all.")
         self._redis_connected = gauge("exlq_redis_connected", "1 while Redis answers.")
@@ -195,6 +202,11 @@ class Metrics:
         if cached is not None:
             self._prefix_queries.inc(prompt)
             self._prefix_hits.inc(cached)
+
+    def drafts(self, drafted: int, accepted: int) -> None:
+        """A drafting engine's counts for a job it ended: tokens drafted and accepted."""
+        self._draft_tokens.inc(drafted)
+        self._draft_accepted.inc(accepted)
 
     def set_cache_pages(self, used: int, total: int) -> None:
         self._pages_used.set(used)

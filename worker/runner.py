@@ -607,6 +607,8 @@ class Worker:
             self.metrics.job_tokens(
                 output.prompt_tokens, output.completion_tokens, output.cached_tokens
             )
+            if output.draft_tokens is not None:
+                self.metrics.drafts(output.draft_tokens, output.accepted_draft_tokens or 0)
         else:
             self._fail(batch, job, output, now)
 

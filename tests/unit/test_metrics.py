@@ -148,3 +148,16 @@ def test_prefix_cache_counts_only_prompts_an_engine_looked_up() -> None:
     assert value("exlq_prefix_cache_queries_total", q) == 612
     assert value("exlq_prefix_cache_hits_total", q) == 256
     assert value("exlq_prompt_tokens_total", q) == 1512
+
+
+def test_draft_counts_add_up_to_the_acceptance_rate() -> None:
+    """As vLLM counts speculative decoding: tokens drafted and verified, and those the model
+    accepted; the rate is their ratio."""
+    metrics = Metrics("q1")
+    value = metrics.registry.get_sample_value
+    q = {"queue": "q1"}
+    assert value("exlq_draft_tokens_total", q) == 0
+    metrics.drafts(drafted=40, accepted=30)
+    metrics.drafts(drafted=8, accepted=0)
+    assert value("exlq_draft_tokens_total", q) == 48
+    assert value("exlq_draft_tokens_accepted_total", q) == 30

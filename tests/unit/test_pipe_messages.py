@@ -144,6 +144,8 @@ outputs = st.one_of(
         prompt_tokens=counts,
         completion_tokens=counts,
         cached_tokens=st.none() | counts,
+        draft_tokens=st.none() | counts,
+        accepted_draft_tokens=st.none() | counts,
     ),
     st.builds(JobErrored, job_id=job_ids, code=texts, message=texts),
 )

@@ -33,6 +33,10 @@ class JobEnded(msgspec.Struct, array_like=True, gc=False, tag=1):
     # up in one (the engine has none, or the job ended before its prefill), so that the
     # prefix cache metrics count only real lookups.
     cached_tokens: int | None = None
+    # Speculative decoding: the tokens drafted for this job and verified by the model, and
+    # those it accepted; None where the engine drafts none.
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
 
 
 class JobErrored(msgspec.Struct, array_like=True, gc=False, tag=2):

@@ -500,8 +500,17 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
                     ),
                     completion_tokens=int(result.get("new_tokens", 0)),
                     cached_tokens=int(result.get("cached_tokens", 0)),
+                    **self._draft_counts(result),
                 )
             )
+
+    def _draft_counts(self, result: dict[str, Any]) -> dict[str, int]:
+        """A drafting generator's counts for the job that ``result`` ends."""
+        if self.drafting is None:
+            return {}
+        accepted = int(result.get("accepted_draft_tokens", 0))
+        drafted = accepted + int(result.get("rejected_draft_tokens", 0))
+        return {"draft_tokens": drafted, "accepted_draft_tokens": accepted}
 
     def _logprobs(self, result: dict[str, Any]) -> list[TokenChoices] | None:
         top_ids = result.get("top_k_tokens")
