@@ -165,7 +165,14 @@ def test_drafting_gives_the_greedy_text_of_no_drafting(
         drafting.close()
     for job_id in requests:
         # max_new_tokens holds, though exllamav2 ends a drafting job num_draft_tokens early.
-        assert got["ends"][job_id].completion_tokens == 48
+        ended = got["ends"][job_id]
+        assert ended.completion_tokens == 48
+        # What exlq_draft_tokens_total and its accepted count add up; a draft equal to the
+        # model has its drafts accepted, and the plain engine drafts nothing.
+        assert want["ends"][job_id].draft_tokens is None
+        assert 0 <= ended.accepted_draft_tokens <= ended.draft_tokens
+        if "draft_model" in options:
+            assert ended.accepted_draft_tokens > 0
         plain, drafted = token_ids(want, job_id), token_ids(got, job_id)
         parted = next(
             (n for n, (a, b) in enumerate(zip(plain, drafted, strict=True)) if a != b), None
