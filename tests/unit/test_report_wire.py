@@ -17,6 +17,7 @@ def test_every_kind_of_output_survives_the_pipe() -> None:
             TokenChunk("j1", " word", [12, 34], None),
             TokenChunk("j2", "é", [99], choices),
             JobEnded("j1", "length", 256, 128, 17),
+            JobEnded("j4", "stop", 10, 40, 0, draft_tokens=48, accepted_draft_tokens=30),
             JobErrored("j3", "invalid_request", "prompt too long"),
         ],
         0.0031,
@@ -44,6 +45,8 @@ def test_the_encoding_knows_every_field_of_the_outputs() -> None:
         "prompt_tokens",
         "completion_tokens",
         "cached_tokens",
+        "draft_tokens",
+        "accepted_draft_tokens",
     ]
     assert [f.name for f in fields(JobErrored)] == ["job_id", "code", "message"]
     assert [f.name for f in fields(StepReport)] == [
