@@ -45,6 +45,7 @@ from exlq.protocol.models import (
 )
 from exlq.protocol.packed_ids import PackedIds
 from exlq.protocol.redis_credentials import RedisCredentials
+from exlq.protocol.slot_routing import follow_slot
 
 log = logging.getLogger(__name__)
 
@@ -415,6 +416,7 @@ class AsyncProducer:
             )
             if credentials is not None:  # e.g. RedisCredentials(): EXLQ_REDIS_PASSWORD
                 credentials.apply_to(pool)
+            follow_slot(pool, self.keys.jobs)  # the queue's node of a Redis Cluster
             pack_in_c(pool)
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client

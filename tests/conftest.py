@@ -20,6 +20,7 @@ import redis
 import redis.asyncio as aioredis
 
 from exlq.protocol.keys import QueueKeys
+from exlq.protocol.slot_routing import follow_slot
 from exlq.worker.broker import Broker
 from exlq.worker.embedded_redis import RedisServer
 from exlq.worker.engine_loop import EngineLoop
@@ -28,6 +29,7 @@ from exlq.worker.engines.echo.engine import EchoEngine
 from exlq.worker.metrics import Metrics
 from exlq.worker.runner import Worker
 from exlq.worker.settings import WorkerSettings
+from tests.redis_cluster import LocalCluster, find_cluster_server
 
 ROOT = Path(__file__).resolve().parent.parent
 _queue_numbers = itertools.count()
@@ -50,12 +52,40 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A real Redis Cluster of 3 masters and 3 replicas (tests/redis_cluster.py)."""
+    binary = find_cluster_server()
+    if binary is None:
+        pytest.fail(
+            "the Redis Cluster tests need a redis-server >= 7: `bash .ci/run "
+            "--install-tls-redis` installs Debian's, or set EXLQ_CLUSTER_REDIS_SERVER"
+        )
+    with LocalCluster(binary) as cluster:
+        yield cluster
+
+
 @pytest.fixture
-def redis_url(redis_server: RedisServer) -> Iterator[str]:
+def redis_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> Iterator[str]:
+    """A Redis to test on: one redis-server, or (for a test marked ``cluster_too``, run
+    once on each) an ordinary URL of one node of the local Redis Cluster. Emptied after."""
+    if getattr(request, "param", "single") == "cluster":
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        cluster.wait_healthy()
+        yield cluster.url
+        cluster.flush()
+        return
     yield redis_server.url
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
     client.close()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``cluster_too`` runs on one redis-server and on a Redis Cluster."""
+    marked = metafunc.definition.get_closest_marker("cluster_too") is not None
+    if marked and "redis_url" in metafunc.fixturenames:
+        metafunc.parametrize("redis_url", ["single", "cluster"], indirect=True)
 
 
 @pytest.fixture
@@ -64,8 +94,10 @@ def queue_name() -> str:
 
 
 @pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+async def redis_client(redis_url: str, queue_name: str) -> AsyncIterator[aioredis.Redis]:
+    """A client of the test's Redis; on a cluster, of the node serving the test's queue."""
     client = aioredis.Redis.from_url(redis_url)
+    follow_slot(client.connection_pool, QueueKeys(queue_name).jobs)
     yield client
     await client.aclose()
 

@@ -19,6 +19,7 @@ from exlq.protocol.batch_script import reply_pairs
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.heartbeat import last_seen
 from exlq.protocol.keys import CONSUMER_GROUP, LANES, Lane, QueueKeys, entry_ref, split_entry_ref
+from exlq.protocol.slot_routing import follow_slot
 from exlq.worker.broker_scripts import COMMIT_LUA, LOST_LUA, RENEW_LUA, START_MANY_LUA, TAKE_LUA
 from exlq.worker.commit_batch import MAX_CALL_BYTES, Batch
 from exlq.worker.lanes import TakePlan
@@ -109,6 +110,7 @@ class Broker:
     @classmethod
     def from_url(cls, url: str, keys: QueueKeys, consumer: str, **options: Any) -> Broker:
         client = aioredis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=15)
+        follow_slot(client.connection_pool, keys.jobs)  # the queue's node of a cluster
         pack_in_c(client.connection_pool)
         return cls(client, keys, consumer, **options)
 

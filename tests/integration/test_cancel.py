@@ -8,7 +8,7 @@ import pytest
 
 from exlq.producer import AsyncProducer, DoneEvent, TokenEvent
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.cluster_too]
 
 
 async def test_cancel_mid_stream(redis_url: str, queue_name: str, start_worker: Any) -> None:

@@ -27,6 +27,7 @@ def _kill(process: subprocess.Popen[str]) -> None:
     process.communicate(timeout=30)
 
 
+@pytest.mark.cluster_too
 async def test_kill_9_mid_stream_the_job_completes_on_another_worker(
     redis_url: str, queue_name: str
 ) -> None:
@@ -72,6 +73,7 @@ async def test_kill_9_mid_stream_the_job_completes_on_another_worker(
     assert result.attempts == 2
 
 
+@pytest.mark.cluster_too
 async def test_a_job_longer_than_the_claim_idle_time_is_not_rerun(
     redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
 ) -> None:

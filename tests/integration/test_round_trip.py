@@ -12,7 +12,7 @@ from exlq.producer import AsyncProducer, DoneEvent, Producer, TokenEvent
 from exlq.protocol.models import GenerationRequest, JobResult, Timings, Usage
 from exlq.worker.engines.echo.engine import echo_text
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.cluster_too]
 
 
 async def test_async_round_trip_streams_then_stores_the_same_text(

@@ -1,0 +1,179 @@
+"""Connections that reach the Redis node serving a queue, on one Redis or a Redis Cluster.
+
+Every key of a queue shares the hash tag ``{queue}``, so on a cluster one slot, and so one
+master, holds them all: every command exlq sends for a queue can go to that node, scripts
+and pipelines included, as to a single Redis. ``follow_slot(pool, key)`` makes the pool's
+connections connect there. The first connection asks the URL's node whether it is part of
+a cluster (``INFO cluster``); a plain Redis is used as the URL says, with nothing more
+asked. On a cluster the master of ``key``'s slot comes from ``CLUSTER SLOTS``, and is asked
+again whenever a connection to it fails or a node answers MOVED: after a failover, once
+the replica has taken over, the next connection goes to it. Any node the cluster named
+last time can answer that question, so the URL's own node may be the one that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+from redis.asyncio.connection import AbstractConnection, ConnectionPool
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+log = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+
+
+class SlotMoved(RedisConnectionError):
+    """The node answered that the queue's slot is served elsewhere (MOVED, ASK), or not at
+    the moment (CLUSTERDOWN, TRYAGAIN). To every caller it is a connection to the wrong
+    node: redis-py's retries and exlq's treat it as a lost connection, and the next one
+    goes where the cluster says the slot is now."""
+
+
+def masters_by_slot(reply: list[Any]) -> list[tuple[int, int, Address]]:
+    """``CLUSTER SLOTS``' ranges and their masters: (first slot, last slot, address)."""
+    ranges = []
+    for first, last, master, *_ in reply:
+        host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+        ranges.append((int(first), int(last), (host, int(master[1]))))
+    return ranges
+
+
+class SlotLocator:
+    """Where the node serving one key's slot is now: the URL's own address on a plain
+    Redis, the slot's master on a cluster. Shared by every connection of a pool."""
+
+    def __init__(self, key: str, pool: ConnectionPool) -> None:
+        self.slot = key_slot(key.encode())
+        kwargs = pool.connection_kwargs
+        self._seed: Address = (str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)))
+        self._probe_class = pool.connection_class
+        self._pool = pool  # its connection_kwargs as they are at each probe (credentials)
+        self.cluster: bool | None = None  # None: not asked yet
+        self._address: Address | None = None
+        self._known: list[Address] = [self._seed]
+        self._lock = asyncio.Lock()
+
+    async def address(self) -> Address:
+        """Where a new connection should go."""
+        if self._address is None:
+            async with self._lock:
+                if self._address is None:
+                    self._address = await self._locate()
+        return self._address
+
+    def moved(self, address: Address) -> None:
+        """A node answered MOVED: the slot is served at ``address`` now."""
+        self.cluster = True
+        if self._address != address:
+            log.info("Redis Cluster: slot %d moved to %s:%d", self.slot, *address)
+            self._address = address
+
+    def lost(self) -> None:
+        """A connection to the node failed: on a cluster, ask again where the slot is."""
+        if self.cluster:
+            self._address = None
+
+    async def _locate(self) -> Address:
+        errors: list[str] = []
+        for node in dict.fromkeys([*self._known, self._seed]):
+            try:
+                return await self._ask(node)
+            except (RedisError, OSError) as exc:
+                errors.append(f"{node[0]}:{node[1]}: {exc}")
+        if self.cluster is None:
+            raise RedisConnectionError("; ".join(errors))  # the URL's node did not answer
+        raise RedisConnectionError(
+            f"no node of the Redis Cluster says where slot {self.slot} is: " + "; ".join(errors)
+        )
+
+    async def _ask(self, node: Address) -> Address:
+        kwargs = self._pool.connection_kwargs
+        probe = self._probe_class(**{**kwargs, "host": node[0], "port": node[1]})
+        try:
+            await probe.connect()  # type: ignore[no-untyped-call]
+            if self.cluster is None:
+                self.cluster = await _is_cluster(probe)
+                if not self.cluster:
+                    return node
+            await probe.send_command("CLUSTER", "SLOTS")
+            ranges = masters_by_slot(await probe.read_response())
+        finally:
+            await probe.disconnect()
+        self._known = list(dict.fromkeys(address for _, _, address in ranges)) or self._known
+        for first, last, address in ranges:
+            if first <= self.slot <= last:
+                return address
+        raise ResponseError(f"{node[0]}:{node[1]} says no node serves slot {self.slot} now")
+
+
+async def _is_cluster(probe: AbstractConnection) -> bool:
+    """Whether the node is part of a Redis Cluster. A user the ACL denies INFO is taken to
+    be on one Redis; on a cluster, MOVED answers still lead its connections (docs/SECURITY.md
+    gives the rules a cluster's users need)."""
+    await probe.send_command("INFO", "cluster")
+    try:
+        info = await probe.read_response()
+    except ResponseError as exc:
+        log.debug("INFO cluster refused (%s): taken for a single Redis", exc)
+        return False
+    return b"cluster_enabled:1" in _as_bytes(info)
+
+
+def _as_bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+class _FollowsSlot(AbstractConnection):
+    """Put before a connection class: it connects where ``locator`` says, and tells it of
+    a MOVED answer or a lost connection."""
+
+    locator: ClassVar[SlotLocator]
+
+    async def _connect(self) -> None:
+        self.host, self.port = await self.locator.address()
+        try:
+            await super()._connect()  # type: ignore[safe-super,no-untyped-call]
+        except OSError:
+            self.locator.lost()
+            raise
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except MovedError as exc:
+            self.locator.moved((exc.host, int(exc.port)))
+            raise SlotMoved(f"MOVED {exc} (slot {self.locator.slot})") from exc
+        except (AskError, TryAgainError, ClusterDownError) as exc:
+            # Mid-migration (ASK) or mid-failover: sent again, once the cluster has settled,
+            # to the node it names then.
+            self.locator.lost()
+            raise SlotMoved(f"{type(exc).__name__}: {exc} (slot {self.locator.slot})") from exc
+        except RedisConnectionError:
+            self.locator.lost()
+            raise
+
+
+def follow_slot(pool: ConnectionPool, key: str) -> SlotLocator | None:
+    """Make the connections ``pool`` opens from now on reach the node serving ``key``'s
+    slot (the URL's node on a plain Redis); returns the pool's locator, or None for a
+    pool of Unix-socket connections (one Redis on this host, never a cluster)."""
+    if "path" in pool.connection_kwargs:
+        return None
+    locator = SlotLocator(key, pool)
+    base = pool.connection_class
+    pool.connection_class = type(
+        f"{base.__name__}FollowsSlot", (_FollowsSlot, base), {"locator": locator}
+    )
+    return locator

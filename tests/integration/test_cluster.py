@@ -1,0 +1,122 @@
+"""exlq on a real Redis Cluster (3 masters, 3 replicas on loopback), found from an ordinary
+URL of one node: queues land on different shards and each is served, and a failover of a
+queue's master under load loses no job exlq was given."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+from redis.crc import key_slot
+
+from exlq.producer import AsyncProducer, JobLost
+from exlq.protocol.keys import QueueKeys
+from exlq.protocol.models import GenerationRequest
+from exlq.worker.engines.echo.engine import echo_text
+from tests.redis_cluster import LocalCluster, Node
+
+pytestmark = pytest.mark.integration
+
+
+def echo(prompt: str, tokens: int) -> str:
+    return echo_text(GenerationRequest(prompt=prompt, max_new_tokens=tokens))
+
+
+def queues_on_every_master(cluster: LocalCluster, prefix: str) -> dict[int, str]:
+    """One queue name per master (by port), found by trying names until each has one."""
+    masters = {node.port for node in cluster.nodes[: cluster.masters]}
+    chosen: dict[int, str] = {}
+    for n in itertools.count():
+        name = f"{prefix}{n}"
+        owner = cluster.master_of(key_slot(QueueKeys(name).jobs.encode())).port
+        chosen.setdefault(owner, name)
+        if set(chosen) == masters:
+            return chosen
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture
+def cluster(redis_cluster: LocalCluster) -> Any:
+    redis_cluster.wait_healthy()
+    yield redis_cluster
+    redis_cluster.flush()
+
+
+async def test_queues_on_different_shards_are_each_served(
+    cluster: LocalCluster, start_worker: Any
+) -> None:
+    queues = queues_on_every_master(cluster, "shard")
+    for queue in queues.values():
+        await start_worker(redis_url=cluster.url, queue=queue)
+    for port, queue in queues.items():
+        async with AsyncProducer(cluster.url, queue=queue) as producer:
+            results = await asyncio.gather(
+                *[(await producer.submit(f"{queue} {i}", max_new_tokens=3)).result(timeout=10)
+                  for i in range(5)]
+            )  # fmt: skip
+        assert [r.text for r in results] == [echo(f"{queue} {i}", 3) for i in range(5)]
+        # The queue's keys are on its own master, and on no other.
+        slot = key_slot(QueueKeys(queue).jobs.encode())
+        holders = [
+            node.port
+            for node in cluster.nodes[: cluster.masters]
+            if node.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
+        ]
+        assert holders == [port]
+
+
+async def test_a_failover_under_load_loses_no_job_exlq_was_given(
+    cluster: LocalCluster, start_worker: Any
+) -> None:
+    """A master is killed while jobs stream; its replica takes over. Workers, producers
+    and subscribers reconnect on their own. A job whose submit Redis acknowledged but lost
+    in the asynchronous replication window is lost by Redis (the handle says JobLost);
+    every other job ends, once."""
+    queue = "failover"
+    await start_worker(
+        redis_url=cluster.url, queue=queue, echo_tokens_per_second=200.0, max_batch_size=16,
+        claim_idle_ms=2000, heartbeat_seconds=0.5,
+    )  # fmt: skip
+    master: Node = cluster.master_of(key_slot(QueueKeys(queue).jobs.encode()))
+    outcomes: dict[str, int] = {"done": 0, "lost_by_redis": 0, "lost_by_exlq": 0}
+    duplicated = 0
+
+    async def run(producer: AsyncProducer, i: int) -> None:
+        nonlocal duplicated
+        handle = await producer.submit(f"job {i}", max_new_tokens=20)
+        try:
+            dones = 0
+            async with asyncio.timeout(60):
+                async for event in handle.stream():
+                    dones += event.type == "done"
+            result = await handle.result(timeout=30)
+        except JobLost:
+            outcomes["lost_by_redis"] += 1
+            return
+        except TimeoutError:
+            outcomes["lost_by_exlq"] += 1
+            return
+        duplicated += dones > 1
+        assert result.text == echo(f"job {i}", 20)
+        outcomes["done"] += 1
+
+    jobs = 120
+    async with AsyncProducer(cluster.url, queue=queue, wait_for_worker=True) as producer:
+        tasks = []
+        for i in range(jobs):
+            tasks.append(asyncio.create_task(run(producer, i)))
+            if i == jobs // 3:
+                cluster.kill(master)
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*tasks)
+    new_master = cluster.master_of(key_slot(QueueKeys(queue).jobs.encode()))
+    print(
+        f"\njobs {jobs}, failovers 1 ({master.port} -> {new_master.port}), "
+        f"lost by Redis {outcomes['lost_by_redis']}, lost by exlq {outcomes['lost_by_exlq']}, "
+        f"duplicated {duplicated}"
+    )
+    assert new_master.port != master.port
+    assert outcomes["lost_by_exlq"] == 0 and duplicated == 0
+    assert outcomes["done"] + outcomes["lost_by_redis"] == jobs

@@ -1,0 +1,195 @@
+"""A real Redis Cluster on loopback for the tests: masters and their replicas, each a
+redis-server >= 7 on a free port (Debian's, which CI installs; EXLQ_CLUSTER_REDIS_SERVER
+names another), joined with CLUSTER MEET, the slots shared out with CLUSTER ADDSLOTSRANGE
+and each replica attached with CLUSTER REPLICATE. A master can be killed, and its replica
+takes over after the node timeout, as in production."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from exlq.worker.embedded_redis import free_port, server_version
+
+HOST = "127.0.0.1"
+SLOTS = 16384
+MIN_VERSION = (7, 0)  # CLUSTER ADDSLOTSRANGE, CLUSTER SHARDS, sharded pub/sub
+# How long a master may be unreachable before its replica takes over: short, so that a
+# failover test waits about two seconds, as a production cluster of 15 s would wait more.
+NODE_TIMEOUT_MS = 1000
+
+
+def find_cluster_server() -> str | None:
+    """EXLQ_CLUSTER_REDIS_SERVER, else a redis-server >= 7 on PATH or in /usr/bin."""
+    configured = os.environ.get("EXLQ_CLUSTER_REDIS_SERVER")
+    candidates = (
+        [configured] if configured else [shutil.which("redis-server"), "/usr/bin/redis-server"]
+    )
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            version = server_version(candidate)
+            if version is not None and version >= MIN_VERSION:
+                return candidate
+    return None
+
+
+@dataclass
+class Node:
+    port: int
+    bus_port: int
+    process: subprocess.Popen[bytes]
+    node_id: str = ""
+
+    def client(self, timeout_s: float = 2.0) -> redis.Redis:
+        return redis.Redis(
+            host=HOST, port=self.port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+@dataclass
+class LocalCluster:
+    """``masters`` masters, each with ``replicas`` replicas; started by ``start()``."""
+
+    binary: str
+    masters: int = 3
+    replicas: int = 1
+    nodes: list[Node] = field(default_factory=list)
+    _dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        """An ordinary URL of one node, as a user would give it."""
+        return f"redis://{HOST}:{self.nodes[0].port}/0"
+
+    def start(self, timeout_s: float = 30.0) -> LocalCluster:
+        self._dir = tempfile.TemporaryDirectory(prefix="exlq-cluster-")
+        for _ in range(self.masters * (1 + self.replicas)):
+            self.nodes.append(self._start_node(Path(self._dir.name)))
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:
+            node.node_id = _wait_for(lambda n=node: n.client().cluster("myid"), deadline).decode()
+        first = self.nodes[0].client()
+        for node in self.nodes[1:]:
+            first.execute_command("CLUSTER", "MEET", HOST, node.port, node.bus_port)
+        per_master = SLOTS // self.masters
+        for i, node in enumerate(self.nodes[: self.masters]):
+            low = i * per_master
+            high = SLOTS - 1 if i == self.masters - 1 else low + per_master - 1
+            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+        for i, replica in enumerate(self.nodes[self.masters :]):
+            master = self.nodes[i % self.masters]
+            # A replica must know its master before it can follow it.
+            _wait_for(lambda r=replica, m=master: _knows(r, m.node_id), deadline)
+            replica.client().cluster("replicate", master.node_id)
+        self.wait_healthy(deadline - time.monotonic())
+        return self
+
+    def _start_node(self, root: Path) -> Node:
+        port, bus_port = free_port(), free_port()
+        folder = root / str(port)
+        folder.mkdir()
+        command = [
+            self.binary,
+            "--port", str(port),
+            "--bind", HOST,
+            "--dir", str(folder),
+            "--cluster-enabled", "yes",
+            # The bus on a free port of its own, not port + 10000 (which may be past 65535).
+            "--cluster-port", str(bus_port),
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+            "--save", "",
+            "--appendonly", "no",
+        ]  # fmt: skip
+        log = (folder / "log").open("wb")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return Node(port, bus_port, process)
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        """Until every live node reports cluster_state:ok and every slot is served, and
+        every live replica's link to its master is up."""
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:
+            if node.alive:
+                _wait_for(lambda n=node: _healthy(n), deadline)
+
+    def master_of(self, slot: int) -> Node:
+        """The node that serves ``slot`` now, as the live nodes see it."""
+        for node in self.nodes:
+            if not node.alive:
+                continue
+            for low, high, master, *_ in node.client().execute_command("CLUSTER", "SLOTS"):
+                if low <= slot <= high:
+                    port = int(master[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError(f"no live node serves slot {slot}")
+
+    def flush(self) -> None:
+        """Empty every live master (their replicas follow)."""
+        for node in self.nodes:
+            if node.alive and node.client().info("replication").get("role") == "master":
+                node.client().flushall()
+
+    def kill(self, node: Node) -> None:
+        """Kill ``node`` at once (SIGKILL: no goodbye to the cluster)."""
+        node.process.kill()
+        node.process.wait()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.alive:
+                node.process.terminate()
+        for node in self.nodes:
+            try:
+                node.process.wait(10)
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait()
+        if self._dir is not None:
+            self._dir.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _knows(node: Node, node_id: str) -> bool:
+    nodes = node.client().cluster("nodes")
+    return node_id in (nodes.decode() if isinstance(nodes, bytes) else str(nodes))
+
+
+def _healthy(node: Node) -> bool:
+    info = node.client().cluster("info")
+    if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != SLOTS:
+        return False
+    replication = node.client().info("replication")
+    return replication.get("role") == "master" or replication.get("master_link_status") == "up"
+
+
+def _wait_for(check: object, deadline: float) -> object:
+    """``check()``'s first truthy value, retried (connection refused included) until
+    ``deadline``."""
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()  # type: ignore[operator]
+            if value:
+                return value
+        except (redis.RedisError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"the local Redis Cluster did not get ready: {last}")
