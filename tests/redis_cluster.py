@@ -27,11 +27,12 @@ NODE_TIMEOUT_MS = 1000
 
 
 def find_cluster_server() -> str | None:
-    """EXLQ_CLUSTER_REDIS_SERVER, else a redis-server >= 7 on PATH or in /usr/bin."""
+    """EXLQ_CLUSTER_REDIS_SERVER, else a redis-server >= 7: the TLS tests' (Debian's, in
+    CI), or one on PATH or in /usr/bin."""
     configured = os.environ.get("EXLQ_CLUSTER_REDIS_SERVER")
-    candidates = (
-        [configured] if configured else [shutil.which("redis-server"), "/usr/bin/redis-server"]
-    )
+    tls = os.environ.get("EXLQ_TLS_REDIS_SERVER")
+    on_path = shutil.which("redis-server")
+    candidates = [configured] if configured else [tls, on_path, "/usr/bin/redis-server"]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             version = server_version(candidate)

@@ -44,6 +44,7 @@ def test_version_prints_the_packages_version() -> None:
     assert done.stdout == f"exlq {__version__}\n"
 
 
+@pytest.mark.cluster_too
 async def test_submit_prints_the_job_id_on_stderr_and_only_the_text_on_stdout(
     redis_url: str, queue_name: str, start_worker: Any
 ) -> None:
@@ -54,6 +55,7 @@ async def test_submit_prints_the_job_id_on_stderr_and_only_the_text_on_stdout(
     assert _JOB_LINE.search(done.stderr), done.stderr
 
 
+@pytest.mark.cluster_too
 async def test_chat_sends_the_prompt_as_a_user_message(
     redis_url: str, queue_name: str, start_worker: Any, redis_client: Any
 ) -> None:

@@ -114,6 +114,7 @@ async def test_echo_answers_with_the_ids_it_was_given(gateway: Callable[..., Any
         assert await ask(ws, {"action": "echo"}) == {"action": "echo"}
 
 
+@pytest.mark.cluster_too
 async def test_infer_streams_chunks_then_the_full_response(
     gateway: Callable[..., Any], start_worker: Callable[..., Any]
 ) -> None:

@@ -20,8 +20,9 @@ from exlq.producer.gateways.exllamav2_ws.gateway import Gateway
 from exlq.producer.gateways.exllamav2_ws.tokens import ModelTokenizer
 from exlq.producer.worker_watch import DEFAULT_STALE_AFTER_S
 from exlq.protocol.command_packing import pack_in_c
-from exlq.protocol.keys import DEFAULT_PREFIX, check_name
+from exlq.protocol.keys import DEFAULT_PREFIX, QueueKeys, check_name
 from exlq.protocol.redis_credentials import RedisCredentials
+from exlq.protocol.slot_routing import follow_slot
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ async def running_gateway(settings: WebSocketSettings) -> AsyncIterator[Server]:
         tokenizer = ModelTokenizer.load(settings.tokenizer_dir)
     pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, timeout=None)
     settings.redis_credentials.apply_to(pool)
+    follow_slot(pool, QueueKeys(settings.queue, settings.prefix).jobs)  # a cluster's node
     pack_in_c(pool)
     redis = aioredis.Redis(connection_pool=pool)
     producer = AsyncProducer(
