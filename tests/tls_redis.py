@@ -39,6 +39,9 @@ def producer_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         # connection, and scripts as redis-py runs them (EVALSHA, SCRIPT LOAD on NOSCRIPT)
         "+ping",
         "+select",
+        # which node of a Redis Cluster serves the queue (exlq/protocol/slot_routing.py)
+        "+info",
+        "+cluster|slots",
         "+evalsha",
         "+script|load",
         "+script|exists",
@@ -76,6 +79,8 @@ def worker_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         "-@all",
         "+ping",
         "+select",
+        "+info",
+        "+cluster|slots",
         "+time",
         "+evalsha",
         "+script|load",

@@ -91,9 +91,9 @@ class SlotLocator:
             try:
                 return await self._ask(node)
             except (RedisError, OSError) as exc:
+                if self.cluster is None:
+                    raise  # the URL's node, asked first: its own error (refused, bad password)
                 errors.append(f"{node[0]}:{node[1]}: {exc}")
-        if self.cluster is None:
-            raise RedisConnectionError("; ".join(errors))  # the URL's node did not answer
         raise RedisConnectionError(
             f"no node of the Redis Cluster says where slot {self.slot} is: " + "; ".join(errors)
         )
@@ -141,8 +141,14 @@ class _FollowsSlot(AbstractConnection):
 
     locator: ClassVar[SlotLocator]
 
+    async def connect(self, *args: Any, **kwargs: Any) -> None:
+        # Here, not in _connect, whose errors redis-py wraps: a refused password while
+        # locating reads as itself.
+        if not self.is_connected:
+            self.host, self.port = await self.locator.address()
+        await super().connect(*args, **kwargs)  # type: ignore[no-untyped-call]
+
     async def _connect(self) -> None:
-        self.host, self.port = await self.locator.address()
         try:
             await super()._connect()  # type: ignore[safe-super,no-untyped-call]
         except OSError:
