@@ -27,6 +27,7 @@ from exlq.ops.dead_letters import (
 )
 from exlq.protocol.keys import DEFAULT_PREFIX
 from exlq.protocol.redis_credentials import RedisCredentials
+from exlq.protocol.slot_routing import slot_client
 
 dead_app = typer.Typer(
     name="dead",
@@ -69,13 +70,18 @@ def _queue(redis_url: str, prefix: str, queue: str | None) -> Iterator[DeadLette
         redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
     )
     RedisCredentials().apply_to(client.connection_pool)
+    node = client
     try:
-        yield DeadLetters(client, resolve_queue(client, prefix, queue))
+        keys = resolve_queue(client, prefix, queue)
+        node = slot_client(client, keys.jobs)  # on a Redis Cluster, the queue's master
+        yield DeadLetters(node, keys)
     except (DeadLetterError, ValueError) as exc:
         raise _fail(str(exc)) from None
     except (RedisError, OSError) as exc:
         raise _fail(f"Redis: {exc or type(exc).__name__}") from None
     finally:
+        if node is not client:
+            node.close()
         client.close()
 
 

@@ -23,6 +23,7 @@ import redis
 from exlq.ops.queue_stats import QueueNames
 from exlq.protocol.keys import Lane, QueueKeys, entry_ref, split_entry_ref
 from exlq.protocol.models import InvalidRequest, parse_request
+from exlq.protocol.slot_routing import masters_of, node_client
 
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
 # Dead letters read per round trip when one is looked for by job id, or counted.
@@ -253,7 +254,14 @@ class DeadLetters:
 def queues_in(client: redis.Redis, prefix: str) -> list[str]:
     """The queues under ``prefix`` (queue_stats.QueueNames), by name."""
     named = QueueNames(prefix)
-    return sorted({queue for key in client.scan_iter(**named.scan) if (queue := named.by(key))})
+    masters = masters_of(client)
+    nodes = [client] if masters is None else [node_client(client, node) for node in masters]
+    found: set[str] = set()
+    for node in nodes:  # on a Redis Cluster, every master's keys
+        found |= {queue for key in node.scan_iter(**named.scan) if (queue := named.by(key))}
+        if node is not client:
+            node.close()
+    return sorted(found)
 
 
 def resolve_queue(client: redis.Redis, prefix: str, queue: str | None) -> QueueKeys:

@@ -214,6 +214,7 @@ class Exporter:
             await asyncio.to_thread(thread.join)
             self.server.server_close()
             self._loop = None
+            await self.source.reader.clients.aclose()
             await self.client.aclose()
 
 

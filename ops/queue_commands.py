@@ -90,9 +90,11 @@ async def _top(
 
     client = aioredis.Redis.from_url(redis_url)
     RedisCredentials().apply_to(client.connection_pool)
+    reader = QueueReader(client, prefix)
     try:
-        await watch(QueueReader(client, prefix), queues, interval_s, once)
+        await watch(reader, queues, interval_s, once)
     finally:
+        await reader.clients.aclose()
         await client.aclose()
 
 

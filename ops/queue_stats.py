@@ -31,6 +31,7 @@ from redis.commands.core import AsyncScript
 
 from exlq.protocol.heartbeat import last_seen
 from exlq.protocol.keys import CONSUMER_GROUP, LANES, Lane, QueueKeys
+from exlq.protocol.slot_routing import SlotClients
 
 # The most head entries the Lua path counts per lane and read (see the module's docstring):
 # each costs Redis about 2 us (XRANGE builds the entry in Lua), so the cap bounds the
@@ -207,6 +208,8 @@ class QueueReader:
         force_count: bool = False,
     ) -> None:
         self.client = client
+        # Each queue's client: on a Redis Cluster, one reaching the queue's master.
+        self.clients = SlotClients(client)
         self.prefix = prefix
         self.stale_after_s = stale_after_s
         self.count_cap = count_cap
@@ -217,7 +220,7 @@ class QueueReader:
     async def read(self, queue: str) -> QueueStats:
         """One queue's stats; a queue with no keys yet reads as empty, not as an error."""
         keys = QueueKeys(queue, self.prefix)
-        pipe = self.client.pipeline(transaction=False)
+        pipe = (await self.clients.for_key(keys.jobs)).pipeline(transaction=False)
         await self._script(
             keys=[*(keys.lane_jobs(lane) for lane in LANES), keys.dead],
             args=[CONSUMER_GROUP, self.count_cap, int(self.force_count)],
@@ -238,14 +241,14 @@ class QueueReader:
         """Every queue under the prefix with a lane stream, a dead stream or heartbeats.
         SCAN walks the whole keyspace (in steps of 1,000 keys): callers cache the answer."""
         named = QueueNames(self.prefix)
-        found = {named.by(key) async for key in self.client.scan_iter(**named.scan)}
+        found = {named.by(key) async for key in self.clients.scan_iter(**named.scan)}
         return sorted(queue for queue in found if queue)
 
     async def recent_dead_letters(self, queue: str, count: int) -> list[DeadLetter]:
         """The newest ``count`` dead letters of a queue, newest first (without the job)."""
-        entries = await self.client.xrevrange(
-            QueueKeys(queue, self.prefix).dead, "+", "-", count=count
-        )
+        keys = QueueKeys(queue, self.prefix)
+        client = await self.clients.for_key(keys.jobs)
+        entries = await client.xrevrange(keys.dead, "+", "-", count=count)
         return [
             _dead_letter(entry_id, fields or {}) for entry_id, fields in entries or [] if entry_id
         ]

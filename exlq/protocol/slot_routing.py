@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
+from redis import ConnectionPool as SyncPool
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.crc import key_slot
 from redis.exceptions import (
@@ -58,11 +62,12 @@ class SlotLocator:
         self.slot = key_slot(key.encode())
         kwargs = pool.connection_kwargs
         self._seed: Address = (str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)))
-        self._probe_class = pool.connection_class
+        self.base_class = _base_class(pool)
         self._pool = pool  # its connection_kwargs as they are at each probe (credentials)
         self.cluster: bool | None = None  # None: not asked yet
         self._address: Address | None = None
         self._known: list[Address] = [self._seed]
+        self._masters: list[Address] = []
         self._lock = asyncio.Lock()
 
     async def address(self) -> Address:
@@ -72,6 +77,10 @@ class SlotLocator:
                 if self._address is None:
                     self._address = await self._locate()
         return self._address
+
+    def masters(self) -> list[Address]:
+        """The cluster's masters, as its last answer named them."""
+        return list(self._masters)
 
     def moved(self, address: Address) -> None:
         """A node answered MOVED: the slot is served at ``address`` now."""
@@ -100,7 +109,7 @@ class SlotLocator:
 
     async def _ask(self, node: Address) -> Address:
         kwargs = self._pool.connection_kwargs
-        probe = self._probe_class(**{**kwargs, "host": node[0], "port": node[1]})
+        probe = self.base_class(**{**kwargs, "host": node[0], "port": node[1]})
         try:
             await probe.connect()  # type: ignore[no-untyped-call]
             if self.cluster is None:
@@ -112,6 +121,7 @@ class SlotLocator:
         finally:
             await probe.disconnect()
         self._known = list(dict.fromkeys(address for _, _, address in ranges)) or self._known
+        self._masters = list(dict.fromkeys(address for _, _, address in ranges))
         for first, last, address in ranges:
             if first <= self.slot <= last:
                 return address
@@ -183,3 +193,103 @@ def follow_slot(pool: ConnectionPool, key: str) -> SlotLocator | None:
         f"{base.__name__}FollowsSlot", (_FollowsSlot, base), {"locator": locator}
     )
     return locator
+
+
+async def cluster_masters(pool: ConnectionPool) -> list[Address] | None:
+    """Every master of the Redis Cluster that ``pool``'s node belongs to; None for a
+    single Redis (or a user the ACL denies INFO)."""
+    locator = SlotLocator("", pool)
+    await locator.address()
+    return locator.masters() if locator.cluster else None
+
+
+class SlotClients:
+    """Clients for keys of many slots, made from one client: that client itself on a
+    single Redis; on a Redis Cluster, one client per slot reaching the slot's master (the
+    tools that read many queues: the exporter, top, the OpenAI gateway)."""
+
+    def __init__(self, client: Redis) -> None:
+        self.client = client
+        self._cluster: bool | None = None
+        self._by_slot: dict[int, Redis] = {}
+
+    async def for_key(self, key: str) -> Redis:
+        if self._cluster is None:
+            self._cluster = await cluster_masters(self.client.connection_pool) is not None
+        if not self._cluster:
+            return self.client
+        slot = key_slot(key.encode())
+        own = self.client.connection_pool.connection_class
+        if issubclass(own, _FollowsSlot) and own.locator.slot == slot:
+            return self.client  # it reaches that slot's master already
+        found = self._by_slot.get(slot)
+        if found is None:
+            found = self._by_slot[slot] = Redis(connection_pool=_pool_like(self.client, key))
+        return found
+
+    async def scan_iter(self, match: str, count: int) -> AsyncIterator[bytes]:
+        """SCAN of every master (of the one Redis, where it is not a cluster)."""
+        masters = await cluster_masters(self.client.connection_pool)
+        if masters is None:
+            async for key in self.client.scan_iter(match=match, count=count):
+                yield key
+            return
+        for host, port in masters:
+            kwargs = {**self.client.connection_pool.connection_kwargs, "host": host, "port": port}
+            node = Redis(connection_pool=ConnectionPool(**kwargs))
+            try:
+                async for key in node.scan_iter(match=match, count=count):
+                    yield key
+            finally:
+                await node.aclose(close_connection_pool=True)
+
+    async def aclose(self) -> None:
+        for client in self._by_slot.values():
+            await client.aclose(close_connection_pool=True)
+        self._by_slot.clear()
+
+
+def _pool_like(client: Redis, key: str) -> ConnectionPool:
+    """A pool with ``client``'s settings (address, TLS, credentials), following ``key``'s
+    slot."""
+    pool = client.connection_pool
+    made = ConnectionPool(connection_class=_base_class(pool), **pool.connection_kwargs)
+    follow_slot(made, key)
+    return made
+
+
+def _base_class(pool: ConnectionPool) -> type[AbstractConnection]:
+    """The pool's connection class as it was before it followed a slot."""
+    cls: type[AbstractConnection] = pool.connection_class
+    return cls.locator.base_class if issubclass(cls, _FollowsSlot) else cls
+
+
+def masters_of(client: SyncRedis) -> list[Address] | None:
+    """(Synchronous clients, for one-shot commands.) Every master of the Redis Cluster
+    that ``client``'s node belongs to; None for a single Redis (or where INFO is denied)."""
+    try:
+        info = client.info("cluster")
+    except ResponseError:
+        return None
+    if not info.get("cluster_enabled"):
+        return None
+    ranges = masters_by_slot(client.execute_command("CLUSTER", "SLOTS"))  # type: ignore[no-untyped-call]
+    return list(dict.fromkeys(address for _, _, address in ranges))
+
+
+def node_client(client: SyncRedis, address: Address) -> SyncRedis:
+    """(Synchronous.) A client with ``client``'s settings, of the node at ``address``."""
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, "host": address[0], "port": address[1]}
+    return SyncRedis(connection_pool=SyncPool(connection_class=pool.connection_class, **kwargs))
+
+
+def slot_client(client: SyncRedis, key: str) -> SyncRedis:
+    """(Synchronous.) A client of the node serving ``key``'s slot: on a single Redis,
+    ``client`` itself; on a cluster, a new one (close it)."""
+    if masters_of(client) is None:
+        return client
+    slot = key_slot(key.encode())
+    ranges = masters_by_slot(client.execute_command("CLUSTER", "SLOTS"))  # type: ignore[no-untyped-call]
+    address = next(address for first, last, address in ranges if first <= slot <= last)
+    return node_client(client, address)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner, Result
 
 from exlq.cli import app
 from exlq.protocol.keys import QueueKeys
+from exlq.protocol.slot_routing import SlotClients
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +63,7 @@ async def _make_dead_letters(client: aioredis.Redis, keys: QueueKeys, start_work
     await _wait_for(two_dead)
 
 
+@pytest.mark.cluster_too
 async def test_list_show_replay_purge(
     redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
 ) -> None:
@@ -151,12 +153,15 @@ async def test_replay_refuses_a_job_that_runs_again(
     assert int(await redis_client.xlen(keys.dead)) == 2
 
 
+@pytest.mark.cluster_too
 async def test_clear_errors_for_unknown_queues_ids_and_input(
     redis_url: str, queue_name: str, redis_client: aioredis.Redis
 ) -> None:
     keys = QueueKeys(queue_name)
     await redis_client.xadd(keys.dead, {"entry": "1-0", "job": REQUEST, "error": "engine_error"})
-    await redis_client.xadd(QueueKeys("other").jobs, {"job": REQUEST})
+    nodes = SlotClients(redis_client)  # on a cluster, "other" lives on its own master
+    await (await nodes.for_key("{other}")).xadd(QueueKeys("other").jobs, {"job": REQUEST})
+    await nodes.aclose()
     several = await _exlq(redis_url, "dead", "list")
     assert several.exit_code == 1
     assert (

@@ -24,6 +24,7 @@ from exlq.ops.exporter import Exporter
 from exlq.ops.queue_stats import QueueReader
 from exlq.producer import AsyncProducer
 from exlq.protocol.keys import CONSUMER_GROUP, LANES, QueueKeys
+from exlq.protocol.slot_routing import SlotClients
 from exlq.worker.embedded_redis import RedisServer, free_port
 from tests.conftest import worker_process
 from tests.monitoring import Sample, assert_alert_fires_for, family, names_used
@@ -83,6 +84,7 @@ async def poll_scrape(
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.cluster_too
 async def test_a_backlog_without_workers_shows_and_a_worker_drains_it(
     redis_url: str, queue_name: str, start_worker: Any, serve_exporter: Any
 ) -> None:
@@ -293,12 +295,18 @@ async def test_the_counted_waiting_equals_redis_lag(binary: str, tmp_path: Any) 
             await client.aclose()
 
 
+@pytest.mark.cluster_too
 async def test_discovery_finds_queues_by_their_streams_and_heartbeats(
     redis_client: aioredis.Redis,
 ) -> None:
-    await redis_client.xadd(QueueKeys("a").lane_jobs("batch"), {"job": "{}"})
-    await redis_client.xadd(QueueKeys("b.c:d").jobs, {"job": "{}"})
-    await redis_client.hset(QueueKeys("e").workers, "w", "{}")
-    await redis_client.xadd(QueueKeys("other", prefix="x").jobs, {"job": "{}"})
-    await redis_client.set("exlq:{f}:job:1", "not a queue's stream")
-    assert await QueueReader(redis_client, "exlq").discover() == ["a", "b.c:d", "e"]
+    nodes = SlotClients(redis_client)  # on a cluster, each key through its slot's master
+    await (await nodes.for_key("{a}")).xadd(QueueKeys("a").lane_jobs("batch"), {"job": "{}"})
+    await (await nodes.for_key("{b.c:d}")).xadd(QueueKeys("b.c:d").jobs, {"job": "{}"})
+    await (await nodes.for_key("{e}")).hset(QueueKeys("e").workers, "w", "{}")
+    other = QueueKeys("other", prefix="x").jobs
+    await (await nodes.for_key(other)).xadd(other, {"job": "{}"})
+    await (await nodes.for_key("{f}")).set("exlq:{f}:job:1", "not a queue's stream")
+    await nodes.aclose()
+    reader = QueueReader(redis_client, "exlq")
+    assert await reader.discover() == ["a", "b.c:d", "e"]
+    await reader.clients.aclose()

@@ -19,6 +19,7 @@ from exlq.protocol.keys import QueueKeys
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.cluster_too
 async def test_top_once_shows_backlog_worker_and_dead_letter(
     redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
 ) -> None:
