@@ -70,8 +70,17 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        """An ordinary URL of one node, as a user would give it."""
-        return f"redis://{HOST}:{self.nodes[0].port}/0"
+        """An ordinary URL of one live node, as a user would give it."""
+        node = next(node for node in self.nodes if node.alive)
+        return f"redis://{HOST}:{node.port}/0"
+
+    def masters_now(self) -> list[Node]:
+        """The live nodes that are masters now (a failover changes which)."""
+        return [
+            node
+            for node in self.nodes
+            if node.alive and node.client().info("replication").get("role") == "master"
+        ]
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
         self._dir = tempfile.TemporaryDirectory(prefix="exlq-cluster-")
@@ -100,6 +109,16 @@ class LocalCluster:
         port, bus_port = free_port(), free_port()
         folder = root / str(port)
         folder.mkdir()
+        return Node(port, bus_port, self._run(folder, port, bus_port))
+
+    def restart(self, node: Node) -> None:
+        """Start a killed node again on its port and its nodes.conf: it rejoins the cluster
+        (a killed master comes back as its successor's replica)."""
+        assert self._dir is not None and not node.alive
+        node.process = self._run(Path(self._dir.name) / str(node.port), node.port, node.bus_port)
+        _wait_for(lambda: node.client().ping(), time.monotonic() + 30)
+
+    def _run(self, folder: Path, port: int, bus_port: int) -> subprocess.Popen[bytes]:
         command = [
             self.binary,
             "--port", str(port),
@@ -113,10 +132,10 @@ class LocalCluster:
             "--save", "",
             "--appendonly", "no",
         ]  # fmt: skip
-        log = (folder / "log").open("wb")
+        log = (folder / "log").open("ab")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        return Node(port, bus_port, process)
+        return process
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Until every live node reports cluster_state:ok and every slot is served, and
@@ -139,9 +158,8 @@ class LocalCluster:
 
     def flush(self) -> None:
         """Empty every live master (their replicas follow)."""
-        for node in self.nodes:
-            if node.alive and node.client().info("replication").get("role") == "master":
-                node.client().flushall()
+        for node in self.masters_now():
+            node.client().flushall()
 
     def kill(self, node: Node) -> None:
         """Kill ``node`` at once (SIGKILL: no goodbye to the cluster)."""

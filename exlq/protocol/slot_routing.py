@@ -222,6 +222,12 @@ class SlotClients:
         own = self.client.connection_pool.connection_class
         if issubclass(own, _FollowsSlot) and own.locator.slot == slot:
             return self.client  # it reaches that slot's master already
+        return self.following(key)
+
+    def following(self, key: str) -> Redis:
+        """A client whose connections reach ``key``'s node however the server turns out
+        (on a single Redis, its only node), made without asking it: one per slot."""
+        slot = key_slot(key.encode())
         found = self._by_slot.get(slot)
         if found is None:
             found = self._by_slot[slot] = Redis(connection_pool=_pool_like(self.client, key))

@@ -15,9 +15,11 @@ from exlq.producer import AsyncProducer, JobLost
 from exlq.protocol.keys import QueueKeys
 from exlq.protocol.models import GenerationRequest
 from exlq.worker.engines.echo.engine import echo_text
+from tests.gateway_server import start_gateway
 from tests.redis_cluster import LocalCluster, Node
 
 pytestmark = pytest.mark.integration
+__all__ = ["start_gateway"]
 
 
 def echo(prompt: str, tokens: int) -> str:
@@ -26,7 +28,7 @@ def echo(prompt: str, tokens: int) -> str:
 
 def queues_on_every_master(cluster: LocalCluster, prefix: str) -> dict[int, str]:
     """One queue name per master (by port), found by trying names until each has one."""
-    masters = {node.port for node in cluster.nodes[: cluster.masters]}
+    masters = {node.port for node in cluster.masters_now()}
     chosen: dict[int, str] = {}
     for n in itertools.count():
         name = f"{prefix}{n}"
@@ -61,7 +63,7 @@ async def test_queues_on_different_shards_are_each_served(
         slot = key_slot(QueueKeys(queue).jobs.encode())
         holders = [
             node.port
-            for node in cluster.nodes[: cluster.masters]
+            for node in cluster.masters_now()
             if node.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
         ]
         assert holders == [port]
@@ -103,14 +105,18 @@ async def test_a_failover_under_load_loses_no_job_exlq_was_given(
         outcomes["done"] += 1
 
     jobs = 120
-    async with AsyncProducer(cluster.url, queue=queue, wait_for_worker=True) as producer:
-        tasks = []
-        for i in range(jobs):
-            tasks.append(asyncio.create_task(run(producer, i)))
-            if i == jobs // 3:
-                cluster.kill(master)
-            await asyncio.sleep(0.02)
-        await asyncio.gather(*tasks)
+    try:
+        async with AsyncProducer(cluster.url, queue=queue, wait_for_worker=True) as producer:
+            tasks = []
+            for i in range(jobs):
+                tasks.append(asyncio.create_task(run(producer, i)))
+                if i == jobs // 3:
+                    cluster.kill(master)
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*tasks)
+    finally:
+        if not master.alive:
+            cluster.restart(master)  # back as a replica: the cluster whole for later tests
     new_master = cluster.master_of(key_slot(QueueKeys(queue).jobs.encode()))
     print(
         f"\njobs {jobs}, failovers 1 ({master.port} -> {new_master.port}), "
@@ -120,3 +126,26 @@ async def test_a_failover_under_load_loses_no_job_exlq_was_given(
     assert new_master.port != master.port
     assert outcomes["lost_by_exlq"] == 0 and duplicated == 0
     assert outcomes["done"] + outcomes["lost_by_redis"] == jobs
+
+
+async def test_the_openai_gateway_serves_chat_and_says_batches_need_a_single_redis(
+    cluster: LocalCluster, start_worker: Any, start_gateway: Any
+) -> None:
+    from openai import AsyncOpenAI, InternalServerError
+
+    queues = queues_on_every_master(cluster, "chat")
+    for queue in queues.values():
+        await start_worker(redis_url=cluster.url, queue=queue)
+    server = start_gateway(redis_url=cluster.url)
+    async with AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client:
+        for queue in queues.values():
+            answer = await client.chat.completions.create(
+                model=queue, messages=[{"role": "user", "content": "alpha beta"}], max_tokens=2
+            )
+            assert answer.choices[0].message.content == " alpha beta"
+        listed = await client.models.list()
+        assert sorted(m.id for m in listed.data) == sorted(queues.values())
+        with pytest.raises(InternalServerError) as refused:
+            await client.batches.list()
+    assert refused.value.status_code == 501
+    assert "needs a single Redis" in str(refused.value)

@@ -25,6 +25,7 @@ def async_client(server: GatewayServer, key: str = "unused") -> AsyncOpenAI:
     return AsyncOpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=30)
 
 
+@pytest.mark.cluster_too
 async def test_a_whole_chat_answer_through_the_sync_client(
     start_worker: Any, start_gateway: Any, queue_name: str
 ) -> None:
@@ -58,6 +59,7 @@ async def test_a_whole_chat_answer_through_the_sync_client(
     assert usage.prompt_tokens_details.cached_tokens == 0
 
 
+@pytest.mark.cluster_too
 async def test_a_streamed_completion_through_the_async_client(
     start_worker: Any, start_gateway: Any, queue_name: str
 ) -> None:
@@ -207,6 +209,7 @@ async def test_a_prompt_of_token_ids_is_a_job_of_input_ids(
     assert answer.choices[0].text == " t5 t6"
 
 
+@pytest.mark.cluster_too
 async def test_the_models_are_the_queues_live_workers_serve(
     start_worker: Any, start_gateway: Any, queue_name: str
 ) -> None:

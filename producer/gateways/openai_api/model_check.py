@@ -60,7 +60,8 @@ class ModelCheck:
 
     async def _read(self, model: str) -> ModelState:
         keys = self._pool.keys(model)
-        pipe = self._pool.redis.pipeline(transaction=False)
+        client = await self._pool.clients.for_key(keys.jobs)  # a cluster's: the queue's master
+        pipe = client.pipeline(transaction=False)
         pipe.exists(keys.jobs, keys.workers)
         pipe.hvals(keys.workers)
         known, beats = await pipe.execute()

@@ -12,6 +12,7 @@ from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.heartbeat import live_times
 from exlq.protocol.keys import QueueKeys, check_name
 from exlq.protocol.redis_credentials import RedisCredentials
+from exlq.protocol.slot_routing import SlotClients
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,8 @@ class ProducerPool:
             credentials.apply_to(pool)
         pack_in_c(pool)
         self.redis = aioredis.Redis(connection_pool=pool)
+        # Each queue's client: on a Redis Cluster, one reaching the queue's master.
+        self.clients = SlotClients(self.redis)
         self.prefix = prefix
         self.worker_stale_after_s = worker_stale_after_s
         self.max_backlog = max_backlog
@@ -56,7 +59,7 @@ class ProducerPool:
             found = AsyncProducer(
                 queue=model,
                 prefix=self.prefix,
-                client=self.redis,
+                client=self.clients.following(self.keys(model).jobs),
                 max_backlog=self.max_backlog,
                 worker_stale_after_s=self.worker_stale_after_s,
             )
@@ -69,11 +72,12 @@ class ProducerPool:
     async def live_models(self) -> list[LiveModel]:
         """Every queue under the prefix whose workers hash holds a live heartbeat."""
         found: list[LiveModel] = []
-        async for key in self.redis.scan_iter(match=f"{self.prefix}:{{*}}:workers", count=500):
+        async for key in self.clients.scan_iter(match=f"{self.prefix}:{{*}}:workers", count=500):
             name = _queue_of(key, self.prefix)
             if name is None:
                 continue
-            live = self._live(name, await self.redis.hvals(key))
+            client = await self.clients.for_key(self.keys(name).workers)
+            live = self._live(name, await client.hvals(key))
             if live is not None:
                 found.append(live)
         return sorted(found, key=lambda m: m.name)
@@ -85,7 +89,8 @@ class ProducerPool:
             keys = self.keys(model)
         except ValueError:
             return None
-        return self._live(model, await self.redis.hvals(keys.workers))
+        client = await self.clients.for_key(keys.workers)
+        return self._live(model, await client.hvals(keys.workers))
 
     def _live(self, name: str, beats: list[bytes | str]) -> LiveModel | None:
         live = live_times(beats, self.worker_stale_after_s, time.time())
@@ -94,6 +99,7 @@ class ProducerPool:
     async def close(self) -> None:
         for producer in self._producers.values():
             await producer.close()
+        await self.clients.aclose()
         await self.redis.aclose(close_connection_pool=True)
 
 
