@@ -40,7 +40,8 @@ async def test_a_burst_streams_and_ends_whole_on_redis_pys_public_api(
 ) -> None:
     await start_worker()
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        assert producer._redis.connection_pool.connection_class is Connection
+        following = producer._redis.connection_pool.connection_class
+        assert following.locator.base_class is Connection  # what follows the slot: plain
         assert buffered_replies.buffered_replies(producer._router._conn) is None
         handles = await asyncio.gather(
             *(producer.submit(f"café 漢字 {i}", max_new_tokens=4) for i in range(40))
