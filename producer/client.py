@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay
 
 from exlq.producer.errors import (
     ExlqError,
@@ -24,7 +24,7 @@ from exlq.producer.errors import (
     QueueFull,
 )
 from exlq.producer.quiet_wait import QuietWait
-from exlq.producer.submit_batch import SubmitBatcher
+from exlq.producer.submit_batch import SubmitBatcher, Submitted
 from exlq.producer.subscriber import RECONNECTED, EventRouter
 from exlq.producer.worker_watch import DEFAULT_STALE_AFTER_S, WorkerWatch
 from exlq.protocol.backoff import REDIS_BACKOFF
@@ -63,6 +63,9 @@ WORKER_CHECK_S = 3.0
 # connect: may its Redis user subscribe to job channels, and does the server run commands
 # on a subscribed connection? Nothing is written.
 SERVER_CHECK_ID = "exlq-server-check"
+# How long a submit is sent again while Redis is away: a cluster's failover takes its node
+# timeout (15 s by default) and an election.
+SUBMIT_RETRY_S = 30.0
 
 # Mark the job so a worker that has not started it never will, and tell running workers.
 _CANCEL_LUA = """
@@ -421,7 +424,10 @@ class AsyncProducer:
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
         self._router = EventRouter(
-            client, self.keys.events(SERVER_CHECK_ID), self.keys.job(SERVER_CHECK_ID)
+            client,
+            self.keys.events(SERVER_CHECK_ID),
+            self.keys.job(SERVER_CHECK_ID),
+            self.keys.shard_events(SERVER_CHECK_ID),
         )
         self._submits = {
             lane: SubmitBatcher(client, self._router, self.keys, state_ttl_s, max_backlog, lane)
@@ -477,16 +483,40 @@ class AsyncProducer:
         # back, and Redis (always on)").
         if self.pack_ids and "input_ids" in fields:
             fields = _with_packed_ids(fields)
-        job_id, request_json = _wire_form(
-            request if request is not None else build_request(prompt, fields)
-        )
-        submitted = await self._submits[priority].submit(job_id, request_json)
+        # The first submit connects the event connection, which finds whether job events
+        # go on shard channels (a Redis Cluster: wire version 2); the request says so.
+        if self._router.sharded is None:
+            await self._router.start()
+        version = self._router.version
+        if request is None:
+            request = build_request(prompt, {**fields, "v": version} if version > 1 else fields)
+        elif request.v != version:
+            request = request.model_copy(update={"v": version})
+        job_id, request_json = _wire_form(request)
+        submitted = await self._submit_riding_out_outages(priority, job_id, request_json)
         if submitted.outcome == "full":
             raise QueueFull(
                 f"queue {self.keys.queue!r} holds {submitted.detail} jobs, at its limit of "
                 f"{self.max_backlog}: retry later or add workers"
             )
         return JobHandle(self, job_id, submitted.events, duplicate=submitted.outcome == "duplicate")
+
+    async def _submit_riding_out_outages(
+        self, lane: Lane, job_id: str, request_json: str
+    ) -> Submitted:
+        """The submit, sent again with the same id while the connection is lost (a Redis
+        restart, a cluster's failover), for up to SUBMIT_RETRY_S: the id makes it one job
+        however many of the tries reached Redis."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((RedisConnectionError, RedisTimeoutError, OSError)),
+            wait=REDIS_BACKOFF,
+            stop=stop_after_delay(SUBMIT_RETRY_S),
+            before_sleep=_log_retry,
+            reraise=True,
+        ):
+            with attempt:
+                return await self._submits[lane].submit(job_id, request_json)
+        raise AssertionError("unreachable: the retry loop returns or raises")
 
     async def get_result(self, job_id: str) -> JobResult | None:
         raw = await self._redis.get(self.keys.result(job_id))
@@ -530,7 +560,8 @@ class AsyncProducer:
 
     async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
         with contextlib.suppress(Exception):
-            await self._router.unsubscribe_many([(self.keys.events(job_id), events)])
+            channel = self.keys.channel(job_id, self._router.version)
+            await self._router.unsubscribe_many([(channel, events)])
 
 
 def _with_packed_ids(fields: dict[str, Any]) -> dict[str, Any]:

@@ -176,7 +176,8 @@ class SubmitBatcher:
 
     async def _send(self, batch: list[_Pending], more: bool = False) -> None:
         try:
-            channels = [self._keys.events(p.job_id) for p in batch]
+            version = self._router.version  # found when the router connected
+            channels = [self._keys.channel(p.job_id, version) for p in batch]
             keys = [self._stream, *(self._keys.job(p.job_id) for p in batch)]
             args: list[str | int] = [self._state_ttl_s, self._max_backlog, "1" if more else ""]
             args.append(self._lane_mark)

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
@@ -49,7 +49,9 @@ REPLY_TIMEOUT_S = 10.0
 # Put in every queue after the connection came back: events may have been lost meanwhile,
 # so each handle looks at its stored result.
 RECONNECTED = b""
-_PUSH_KINDS = frozenset({b"message", b"subscribe", b"unsubscribe"})
+_PUSH_KINDS = frozenset(
+    {b"message", b"subscribe", b"unsubscribe", b"smessage", b"ssubscribe", b"sunsubscribe"}
+)
 
 Command = Sequence[EncodableT]
 
@@ -100,10 +102,25 @@ class EventRouter:
     used once at connect to check what the server allows.
     """
 
-    def __init__(self, client: aioredis.Redis, check_channel: str, check_key: str) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        check_channel: str,
+        check_key: str,
+        shard_check_channel: str | None = None,
+    ) -> None:
         self._client = client
         self._check_channel = check_channel
         self._check_key = check_key
+        # On a Redis Cluster that has sharded pub/sub (Redis >= 7), every channel here is a
+        # shard channel in the queue's slot (wire version 2), subscribed with SSUBSCRIBE:
+        # found at connect, with this channel; None: never.
+        self._shard_check_channel = shard_check_channel
+        self.sharded: bool | None = None  # None: not connected yet
+        # Channels this side asked to leave, whose confirmations are still due: any other
+        # sunsubscribe that comes is Redis dropping a channel whose slot moved away.
+        self._leaving: Counter[str] = Counter()
+        self._subscribe, self._unsubscribe = "SUBSCRIBE", "UNSUBSCRIBE"
         self._conn = event_connection(client)
         self._buffered = buffered_replies(self._conn)  # its parser, kept across reconnects
         self._queues: dict[str, list[asyncio.Queue[bytes]]] = {}
@@ -134,22 +151,15 @@ class EventRouter:
                 new.append(channel)
             held.append(queue)
         try:
-            try:
-                async with asyncio.timeout(REPLY_TIMEOUT_S):
-                    await self._start()
-            except TimeoutError:
-                raise RedisTimeoutError(
-                    f"Redis did not answer the event connection's checks within "
-                    f"{REPLY_TIMEOUT_S:g}s"
-                ) from None
+            await self.start()
             if self.commands_while_subscribed:
-                first: list[Command] = [("SUBSCRIBE", *new)] if new else []
+                first: list[Command] = [(self._subscribe, *new)] if new else []
                 reply = await self._call([*first, command], len(new), wants_reply=True)
             else:
                 # A channel held already may still wait for its confirmation: ask again
                 # (Redis confirms a channel subscribed twice) rather than guess.
                 again = list(dict.fromkeys(channels))
-                await self._call([("SUBSCRIBE", *again)], len(again), wants_reply=False)
+                await self._call([(self._subscribe, *again)], len(again), wants_reply=False)
                 reply = await self._client.execute_command(*command)  # type: ignore[no-untyped-call]
         except BaseException:
             await self.unsubscribe_many(list(zip(channels, queues, strict=True)))
@@ -171,7 +181,8 @@ class EventRouter:
             with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
                 async with self._send_lock:
                     if self._up.is_set():  # else a reconnect subscribes only what is held
-                        await self._send([("UNSUBSCRIBE", *emptied)])
+                        self._leaving.update(emptied)
+                        await self._send([(self._unsubscribe, *emptied)])
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -210,11 +221,25 @@ class EventRouter:
         conn = self._conn
         await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
 
-    async def _start(self) -> None:
-        """Connect on first use, raising if Redis cannot be reached or refuses this user
-        the job channels; then start reading."""
+    @property
+    def version(self) -> int:
+        """The wire version of the channels here: 2 (shard channels) or 1."""
+        return 2 if self.sharded else 1
+
+    async def start(self) -> None:
+        """Connect on first use, raising if Redis cannot be reached (within
+        REPLY_TIMEOUT_S) or refuses this user the job channels; then start reading."""
         if self._reader is not None:
             return
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                await self._connect_and_check()
+        except TimeoutError:
+            raise RedisTimeoutError(
+                f"Redis did not answer the event connection's checks within {REPLY_TIMEOUT_S:g}s"
+            ) from None
+
+    async def _connect_and_check(self) -> None:
         async with self._send_lock:
             if self._reader is None:
                 try:
@@ -251,12 +276,41 @@ class EventRouter:
                 "channels, as docs/SECURITY.md shows"
             )
         self.commands_while_subscribed = not isinstance(answers[1], ResponseError)
+        self.sharded = await self._shards_events()
+        if self.sharded:
+            self._subscribe, self._unsubscribe = "SSUBSCRIBE", "SUNSUBSCRIBE"
         if not self.commands_while_subscribed:
             log.info(
                 "Redis runs only pub/sub commands on a subscribed connection (%s); "
                 "a submit takes two round trips",
                 answers[1],
             )
+
+    async def _shards_events(self) -> bool:
+        """Whether job events go on shard channels: on a Redis Cluster whose node takes
+        SSUBSCRIBE for this user (Redis >= 7). On one Redis, sharded pub/sub would buy
+        nothing, and the job's own channel is kept."""
+        locator = getattr(type(self._conn), "locator", None)
+        if self._shard_check_channel is None or not (locator and locator.cluster):
+            return False
+        await self._send(
+            [("SSUBSCRIBE", self._shard_check_channel), ("SUNSUBSCRIBE", self._shard_check_channel)]
+        )
+        answers: list[object] = []
+        for _ in range(2):
+            try:
+                answers.append(
+                    await self._conn.read_response(disconnect_on_error=False, push_request=True)
+                )
+            except ResponseError as exc:
+                answers.append(exc)
+        if isinstance(answers[0], ResponseError):
+            log.info(
+                "job events on the job's own channel: the Redis Cluster refused SSUBSCRIBE (%s)",
+                answers[0],
+            )
+            return False
+        return True
 
     # -- reading -------------------------------------------------------------------------
 
@@ -294,10 +348,20 @@ class EventRouter:
 
     def _push(self, push: list[bytes]) -> None:
         kind, raw_channel, data = push
-        if kind == b"message":
+        if kind in (b"message", b"smessage"):
             for queue in self._queues.get(raw_channel.decode(), ()):
                 queue.put_nowait(data)
-        elif kind == b"subscribe" and self._sent and self._sent[0].confirmations:
+        elif kind in (b"unsubscribe", b"sunsubscribe"):
+            channel = raw_channel.decode()
+            if self._leaving[channel] > 0:
+                self._leaving[channel] -= 1
+                if not self._leaving[channel]:
+                    del self._leaving[channel]
+            elif kind == b"sunsubscribe" and channel in self._queues:
+                # Unasked: the slot moved to another node (resharding, failover). Connect
+                # again, to where the slot is now, and subscribe there.
+                raise RedisConnectionError(f"Redis moved {channel}'s slot")
+        elif kind in (b"subscribe", b"ssubscribe") and self._sent and self._sent[0].confirmations:
             head = self._sent[0]
             head.confirmations -= 1
             if not head.confirmations and not head.wants_reply:
@@ -349,9 +413,10 @@ class EventRouter:
                 async with self._send_lock:
                     # Writes that raced the loss went to the old connection.
                     self._fail_sent(RedisConnectionError(f"connection for events lost: {exc}"))
+                    self._leaving.clear()  # a new connection owes no confirmations
                     if self._queues:
                         self._sent.append(_Sent(len(self._queues), None, wants_reply=False))
-                        await self._send([("SUBSCRIBE", *self._queues)])
+                        await self._send([(self._subscribe, *self._queues)])
                     self._up.set()
             except (RedisConnectionError, RedisTimeoutError, OSError) as again:
                 exc = again

@@ -57,6 +57,8 @@ def producer_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         "+get",
         "+subscribe",
         "+unsubscribe",
+        "+ssubscribe",
+        "+sunsubscribe",
         f"~{base}:job:*",
         f"~{base}:jobs",
         f"~{base}:jobs:batch",  # the batch lane's stream
@@ -64,6 +66,7 @@ def producer_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         # the workers' heartbeats, read-only: whether a live worker serves the queue
         f"%R~{base}:workers",
         f"&{prefix}:out:*",
+        f"&{base}:out:*",  # a job's shard channel (wire version 2, on a Redis Cluster)
         # PUBLISH only to the queue's cancel channel (the cancel script), never an event
         f"(+publish &{base}:cancel)",
     ]
@@ -115,6 +118,7 @@ def worker_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         f"~{base}:*",
         f"&{base}:cancel",
         f"(+publish &{prefix}:out:*)",
+        f"(+spublish &{base}:out:*)",
     ]
 
 

@@ -311,6 +311,7 @@ class Broker:
                 body,
                 batch.name,
                 COMMIT_MARKER_TTL_S,
+                self.keys.base,
             ],
         )
         whole.answered[batch.name] = reply_pairs(reply)
@@ -319,7 +320,9 @@ class Broker:
     async def announce_lost(self, job_id: str, channel: str, event_json: str) -> bool:
         """Publish the event that tells a job's subscribers Redis lost it, unless its state
         exists again; True if published."""
-        published = await self._lost(keys=[self.keys.job(job_id)], args=[channel, event_json])
+        published = await self._lost(
+            keys=[self.keys.job(job_id)], args=[channel, event_json, self.keys.base]
+        )
         return bool(published)
 
     async def renew(self, jobs: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -108,7 +108,8 @@ end
 # names a job (its "k" is the index of its result key: every key a script touches is
 # declared, as Redis Cluster and ACLs expect). ARGV: group, consumer, result TTL, dead
 # stream cap, the lease (Redis time in ms until which no other worker can have taken this
-# batch's entries), the batch as JSON, the batch's unique name, the markers' TTL.
+# batch's entries), the batch as JSON, the batch's unique name, the markers' TTL, the
+# queue's key prefix (a channel under it is a job's shard channel: SPUBLISH).
 #
 # Publishing never repeats. The worker's marker holds the name of the last batch this worker wrote
 # and the entries it reported: a batch sent again (its reply was lost with the connection)
@@ -132,6 +133,17 @@ if seen then
   if marker.n == ARGV[7] then return marker.lost end
 end
 local batch = cjson.decode(ARGV[6])
+-- A channel in the queue's key space (ARGV[9], its hash tag) is a job's shard channel
+-- (wire version 2), in the queue's slot; any other is a job's own channel. A Redis without
+-- SPUBLISH (before 7) is never sent such a job by the SDK; pcall keeps one sent by hand
+-- from failing the batch.
+local function send_event(channel, event)
+  if string.sub(channel, 1, #ARGV[9]) == ARGV[9] then
+    redis.pcall('SPUBLISH', channel, event)
+  else
+    redis.call('PUBLISH', channel, event)
+  end
+end
 local now = redis.call('TIME')
 local checked = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[5])
 local lost, reported = {}, {}
@@ -160,7 +172,7 @@ for _, f in ipairs(batch.finals or {}) do
 end
 redis.call('HSET', KEYS[3], ARGV[2], cjson.encode({n = ARGV[7], lost = lost}))
 redis.call('EXPIRE', KEYS[3], ARGV[8])
-for _, p in ipairs(publish) do redis.call('PUBLISH', p[1], p[2]) end
+for _, p in ipairs(publish) do send_event(p[1], p[2]) end
 local function write(f)
   local job = f.k and KEYS[f.k + 1]
   if f.guard then
@@ -179,7 +191,7 @@ local function write(f)
   if f.dead then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(f.dead))
   end
-  if f.event then redis.call('PUBLISH', f.channel, f.event) end
+  if f.event then send_event(f.channel, f.event) end
   if not f.noack then
     local stream, id = stream_of(f.entry)
     redis.call('XACK', stream, ARGV[1], id)
@@ -226,10 +238,14 @@ return lost
 
 # Publish the event that says Redis lost a job, unless its state hash exists again (the
 # job was submitted anew, or another worker's run wrote its end). KEYS[1]: the job's hash;
-# ARGV: channel, event.
+# ARGV: channel, event, the queue's key prefix (a channel under it is a shard channel).
 LOST_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('PUBLISH', ARGV[1], ARGV[2])
+if string.sub(ARGV[1], 1, #ARGV[3]) == ARGV[3] then
+  redis.pcall('SPUBLISH', ARGV[1], ARGV[2])
+else
+  redis.call('PUBLISH', ARGV[1], ARGV[2])
+end
 return 1
 """
 

@@ -294,7 +294,7 @@ class Worker:
                 job_id=request.id,
                 entry_id=entry.entry_id,
                 request=request,
-                channel=self.broker.keys.events(request.id),
+                channel=self.broker.keys.channel(request.id, request.v),
                 enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
                 claimed_at=entry.claimed_at,
             )

@@ -109,5 +109,14 @@ class QueueKeys:
         return f"{self._base}:result:{job_id}"
 
     def events(self, job_id: str) -> str:
-        """The job's own pub/sub channel."""
+        """The job's own pub/sub channel (wire version 1)."""
         return events_channel(self.prefix, job_id)
+
+    def shard_events(self, job_id: str) -> str:
+        """The job's channel in the queue's slot (wire version 2): sharded pub/sub
+        (SSUBSCRIBE, SPUBLISH), which a Redis Cluster keeps on the queue's shard."""
+        return f"{self._base}:out:{job_id}"
+
+    def channel(self, job_id: str, version: int) -> str:
+        """The channel a job's events go on, by its request's version."""
+        return self.shard_events(job_id) if version >= 2 else self.events(job_id)

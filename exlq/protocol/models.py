@@ -26,6 +26,10 @@ from exlq.protocol.keys import NAME_PATTERN
 from exlq.protocol.packed_ids import PackedIds
 
 PROTOCOL_VERSION: Literal[1] = 1
+# A request of version 2 asks for its events on the queue's shard channel (keys.QueueKeys.
+# shard_events), published with SPUBLISH in the queue's slot: what the SDK sends on a Redis
+# Cluster of Redis >= 7. Version 1 (every other case) keeps the job's own channel.
+SHARDED_EVENTS_VERSION: Literal[2] = 2
 # Hard bounds of the contract. Workers may configure tighter limits.
 MAX_NEW_TOKENS_LIMIT = 65_536
 MAX_STOP_STRINGS = 16
@@ -161,7 +165,7 @@ def new_job_id() -> str:
 class GenerationRequest(WireModel):
     """One job, as a producer writes it into field ``job`` of the jobs stream."""
 
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[1, 2] = PROTOCOL_VERSION
     id: Annotated[str, Field(pattern=NAME_PATTERN)] = Field(default_factory=new_job_id)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -239,9 +243,9 @@ class GenerationRequest(WireModel):
     @field_validator("v", mode="before")
     @classmethod
     def _integer_version(cls, value: object) -> object:
-        # Literal[1] compares by equality, so true and 1.0 would pass for 1.
+        # Literal[1, 2] compares by equality, so true and 1.0 would pass for 1.
         if type(value) is not int:
-            raise ValueError("v must be the integer 1")
+            raise ValueError("v must be the integer 1, or 2 for events on the queue's shard")
         return value
 
     @field_validator("regex")

@@ -149,3 +149,38 @@ async def test_the_openai_gateway_serves_chat_and_says_batches_need_a_single_red
             await client.batches.list()
     assert refused.value.status_code == 501
     assert "needs a single Redis" in str(refused.value)
+
+
+async def test_events_go_on_the_queues_shard_and_a_v1_producer_still_hears_its_own(
+    cluster: LocalCluster, start_worker: Any
+) -> None:
+    """On a cluster the SDK asks for wire version 2: the job's events on its queue's shard
+    channel (SSUBSCRIBE), which no other shard carries. A producer of version 1 (an older
+    SDK, redis-cli) adds its job as before and hears it on the job's own channel."""
+    import json
+
+    import redis.asyncio as aioredis
+
+    queue = "sharded"
+    await start_worker(redis_url=cluster.url, queue=queue)
+    keys = QueueKeys(queue)
+    master = cluster.master_of(key_slot(keys.jobs.encode()))
+    async with AsyncProducer(cluster.url, queue=queue) as producer:
+        result = await (await producer.submit("new sdk", max_new_tokens=2)).result(timeout=10)
+        assert result.text == echo("new sdk", 2)
+        stored = master.client().xrange(keys.jobs)
+        assert json.loads(stored[-1][1][b"job"])["v"] == 2
+    # Version 1, by hand: SUBSCRIBE to the job's own channel on any node, then XADD.
+    other = next(node for node in cluster.masters_now() if node.port != master.port)
+    listener = aioredis.Redis(host="127.0.0.1", port=other.port).pubsub()
+    await listener.subscribe(keys.events("old-1"))
+    request = {"v": 1, "id": "old-1", "prompt": "old sdk", "max_new_tokens": 2}
+    master.client().xadd(keys.jobs, {"job": json.dumps(request)})
+    kinds = []
+    async with asyncio.timeout(10):
+        while "done" not in kinds:
+            message = await listener.get_message(ignore_subscribe_messages=True, timeout=1)
+            if message is not None:
+                kinds.append(json.loads(message["data"])["type"])
+    await listener.aclose()
+    assert kinds[-1] == "done" and "token" in kinds  # every event, on the v1 channel

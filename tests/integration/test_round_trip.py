@@ -152,8 +152,13 @@ async def test_packed_ids_reach_the_engine_as_the_same_prompt(
     ]
 
 
-async def _subscribers(redis_client: Any, channel: str) -> int:
-    [(_, count)] = await redis_client.pubsub_numsub(channel)
+async def _subscribers(redis_client: Any, producer: AsyncProducer, job_id: str) -> int:
+    """The subscribers of the job's channel: its own (PUBSUB NUMSUB), or on a Redis
+    Cluster its shard channel (PUBSUB SHARDNUMSUB, on the queue's master)."""
+    version = producer._router.version
+    channel = producer.keys.channel(job_id, version)
+    numsub = "SHARDNUMSUB" if version == 2 else "NUMSUB"
+    _, count = await redis_client.execute_command("PUBSUB", numsub, channel)
     return int(count)
 
 
@@ -170,11 +175,11 @@ async def test_a_stream_left_early_goes_on_in_result_and_a_detached_job_lets_its
             if isinstance(event, TokenEvent):
                 break
         assert (await left.result(timeout=10)).state == "done"
-        assert await _subscribers(redis_client, producer.keys.events(left.id)) == 0
+        assert await _subscribers(redis_client, producer, left.id) == 0
         detached = await producer.submit("a b", max_new_tokens=2)
-        assert await _subscribers(redis_client, producer.keys.events(detached.id)) == 1
+        assert await _subscribers(redis_client, producer, detached.id) == 1
         await detached.detach()
-        assert await _subscribers(redis_client, producer.keys.events(detached.id)) == 0
+        assert await _subscribers(redis_client, producer, detached.id) == 0
         async with asyncio.timeout(10):
             while (stored := await producer.get_result(detached.id)) is None:
                 await asyncio.sleep(0.02)
