@@ -488,11 +488,15 @@ class AsyncProducer:
         if self._router.sharded is None:
             await self._router.start()
         version = self._router.version
-        if request is None:
-            request = build_request(prompt, {**fields, "v": version} if version > 1 else fields)
-        elif request.v != version:
-            request = request.model_copy(update={"v": version})
-        job_id, request_json = _wire_form(request)
+        if request is None:  # built and serialized in one expression: freed before the wait
+            job_id, request_json = _wire_form(
+                build_request(prompt, {**fields, "v": version} if version > 1 else fields)
+            )
+        else:
+            same = request.v == version
+            job_id, request_json = _wire_form(
+                request if same else request.model_copy(update={"v": version})
+            )
         submitted = await self._submit_riding_out_outages(priority, job_id, request_json)
         if submitted.outcome == "full":
             raise QueueFull(

@@ -45,7 +45,8 @@ def test_minimal_request_gets_defaults_and_an_id() -> None:
         ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
         ({"prompt": "x", "id": "has space"}, "id"),
         ({"prompt": "x", "id": "{tag}"}, "id"),
-        ({"prompt": "x", "v": 2}, "v"),
+        ({"prompt": "x", "v": 3}, "v"),
+        ({"prompt": "x", "v": True}, "v"),
         (
             {"prompt": "x", "input_ids": [1]},
             "exactly one of prompt, messages, input_ids or input_ids_b64",
