@@ -128,6 +128,7 @@ class EventRouter:
         self._send_lock = asyncio.Lock()
         self._up = asyncio.Event()  # connected, and every held channel asked for
         self._reader: asyncio.Task[None] | None = None
+        self._starting: asyncio.Future[None] | None = None
         self.commands_while_subscribed = True  # found at connect
 
     @property
@@ -185,6 +186,9 @@ class EventRouter:
                         await self._send([(self._unsubscribe, *emptied)])
 
     async def close(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+        self._starting = None
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -228,9 +232,16 @@ class EventRouter:
 
     async def start(self) -> None:
         """Connect on first use, raising if Redis cannot be reached (within
-        REPLY_TIMEOUT_S) or refuses this user the job channels; then start reading."""
+        REPLY_TIMEOUT_S) or refuses this user the job channels; then start reading. The
+        submits of a burst that wait for it share one start, and go on together."""
         if self._reader is not None:
             return
+        starting = self._starting
+        if starting is None or (starting.done() and starting.exception() is not None):
+            starting = self._starting = asyncio.ensure_future(self._start_once())
+        await asyncio.shield(starting)
+
+    async def _start_once(self) -> None:
         try:
             async with asyncio.timeout(REPLY_TIMEOUT_S):
                 await self._connect_and_check()

@@ -97,6 +97,8 @@ class Broker:
         self.dead_max_len = dead_max_len
         self.max_entry_bytes = max_entry_bytes
         self.groups_recreated = 0
+        # Redis has SPUBLISH (found at start): else a request of wire version 2 is refused.
+        self.sharded_pubsub = True
         # The lanes' streams, in LANES order: the take script's KEYS.
         self.streams = [keys.lane_jobs(lane) for lane in LANES]
         self._start = client.register_script(START_MANY_LUA)
@@ -113,6 +115,16 @@ class Broker:
         follow_slot(client.connection_pool, keys.jobs)  # the queue's node of a cluster
         pack_in_c(client.connection_pool)
         return cls(client, keys, consumer, **options)
+
+    async def find_sharded_pubsub(self) -> None:
+        """Whether this Redis has sharded pub/sub (SPUBLISH, Redis >= 7), for requests of
+        wire version 2. A user the ACL denies INFO is taken to have it."""
+        try:
+            info = await self.client.info("server")
+        except ResponseError:
+            return
+        major = str(info.get("redis_version", "7")).split(".", 1)[0]
+        self.sharded_pubsub = not major.isdigit() or int(major) >= 7
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -18,6 +18,7 @@ from exlq.protocol.batch_script import PIECE_JOBS
 from exlq.protocol.eager_task import started_task
 from exlq.protocol.keys import Lane
 from exlq.protocol.models import (
+    SHARDED_EVENTS_VERSION,
     ErrorEvent,
     ErrorInfo,
     FinishReason,
@@ -141,6 +142,7 @@ class Worker:
         code: 0 after a clean stop, EXIT_ENGINE_DEAD if the engine died."""
         self.clock_offset_s = await self.broker.clock_offset_s()
         await self.broker.ensure_group()
+        await self.broker.find_sharded_pubsub()
         self.set_redis_ok(True)
         # Each report is queued on this loop's thread (EngineProcess reads the pipe there).
         self.engine.start(self._reports.put_nowait, asyncio.get_running_loop())
@@ -372,6 +374,11 @@ class Worker:
         self.limits.check_size(entry.size)
         request = parse_request(entry.payload)
         self.limits.check(request)
+        if request.v >= SHARDED_EVENTS_VERSION and not self.broker.sharded_pubsub:
+            raise InvalidRequest(
+                f"v: {request.v} asks for the job's events on its queue's shard channel, which "
+                "needs sharded pub/sub (Redis >= 7); this Redis has none: send v 1"
+            )
         refuse_two_ids(entry.payload)
         return request
 

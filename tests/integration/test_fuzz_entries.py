@@ -99,7 +99,7 @@ breakages = st.sampled_from(
         ("logprobs", 21),
         ("deadline", 0),
         ("ignore_eos", "yes"),
-        ("v", 2),
+        ("v", 3),
         ("colour", "red"),
     ]
 )

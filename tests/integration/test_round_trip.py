@@ -184,3 +184,22 @@ async def test_a_stream_left_early_goes_on_in_result_and_a_detached_job_lets_its
             while (stored := await producer.get_result(detached.id)) is None:
                 await asyncio.sleep(0.02)
         assert stored.state == "done" and stored.text.split() == ["a", "b"]
+
+
+async def test_a_request_of_version_2_on_a_redis_without_sharded_pubsub_is_refused(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: Any
+) -> None:
+    """Wire version 2 puts a job's events on its queue's shard channel (SPUBLISH); the
+    bundled Redis 6.2 has none, and the refusal says so (in the stored result)."""
+    info = await redis_client.info("server")
+    if int(str(info["redis_version"]).split(".")[0]) >= 7:
+        pytest.skip("this Redis has sharded pub/sub")
+    await start_worker()
+    request = {"v": 2, "id": "v2-on-6", "prompt": "x", "max_new_tokens": 2}
+    await redis_client.xadd(f"exlq:{{{queue_name}}}:jobs", {"job": json.dumps(request)})
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        async with asyncio.timeout(10):
+            while (stored := await producer.get_result("v2-on-6")) is None:
+                await asyncio.sleep(0.02)
+    assert stored.state == "failed" and stored.error is not None
+    assert stored.error.code == "invalid_request" and "Redis >= 7" in stored.error.message
