@@ -19,6 +19,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from bench.local_cluster import LocalCluster, find_cluster_server
 from exlq.protocol.keys import QueueKeys
 from exlq.protocol.slot_routing import follow_slot
 from exlq.worker.broker import Broker
@@ -29,7 +30,6 @@ from exlq.worker.engines.echo.engine import EchoEngine
 from exlq.worker.metrics import Metrics
 from exlq.worker.runner import Worker
 from exlq.worker.settings import WorkerSettings
-from tests.redis_cluster import LocalCluster, find_cluster_server
 
 ROOT = Path(__file__).resolve().parent.parent
 _queue_numbers = itertools.count()
@@ -54,7 +54,7 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[LocalCluster]:
-    """A real Redis Cluster of 3 masters and 3 replicas (tests/redis_cluster.py)."""
+    """A real Redis Cluster of 3 masters and 3 replicas (bench/local_cluster.py)."""
     binary = find_cluster_server()
     if binary is None:
         pytest.fail(

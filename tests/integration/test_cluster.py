@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
+from bench.local_cluster import LocalCluster, Node
 from exlq.producer import AsyncProducer, JobLost
 from exlq.protocol.keys import QueueKeys
 from exlq.protocol.models import GenerationRequest
 from exlq.worker.engines.echo.engine import echo_text
 from tests.gateway_server import start_gateway
-from tests.redis_cluster import LocalCluster, Node
 
 pytestmark = pytest.mark.integration
 __all__ = ["start_gateway"]

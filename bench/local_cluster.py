@@ -1,8 +1,8 @@
-"""A real Redis Cluster on loopback for the tests: masters and their replicas, each a
-redis-server >= 7 on a free port (Debian's, which CI installs; EXLQ_CLUSTER_REDIS_SERVER
-names another), joined with CLUSTER MEET, the slots shared out with CLUSTER ADDSLOTSRANGE
-and each replica attached with CLUSTER REPLICATE. A master can be killed, and its replica
-takes over after the node timeout, as in production."""
+"""A real Redis Cluster on loopback, for the tests and the capacity bench: masters and
+their replicas, each a redis-server >= 7 on a free port (Debian's, which CI installs;
+EXLQ_CLUSTER_REDIS_SERVER names another), joined with CLUSTER MEET, the slots shared out
+with CLUSTER ADDSLOTSRANGE and each replica attached with CLUSTER REPLICATE. A master can
+be killed, and its replica takes over after the node timeout, as in production."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -88,19 +91,23 @@ class LocalCluster:
             self.nodes.append(self._start_node(Path(self._dir.name)))
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
-            node.node_id = _wait_for(lambda n=node: n.client().cluster("myid"), deadline).decode()
+            node.node_id = _wait_for(partial(_my_id, node), deadline).decode()
         first = self.nodes[0].client()
         for node in self.nodes[1:]:
-            first.execute_command("CLUSTER", "MEET", HOST, node.port, node.bus_port)
+            first.execute_command(  # type: ignore[no-untyped-call]
+                "CLUSTER", "MEET", HOST, node.port, node.bus_port
+            )
         per_master = SLOTS // self.masters
         for i, node in enumerate(self.nodes[: self.masters]):
             low = i * per_master
             high = SLOTS - 1 if i == self.masters - 1 else low + per_master - 1
-            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+            node.client().execute_command(  # type: ignore[no-untyped-call]
+                "CLUSTER", "ADDSLOTSRANGE", low, high
+            )
         for i, replica in enumerate(self.nodes[self.masters :]):
             master = self.nodes[i % self.masters]
             # A replica must know its master before it can follow it.
-            _wait_for(lambda r=replica, m=master: _knows(r, m.node_id), deadline)
+            _wait_for(partial(_knows, replica, master.node_id), deadline)
             replica.client().cluster("replicate", master.node_id)
         self.wait_healthy(deadline - time.monotonic())
         return self
@@ -143,14 +150,15 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
             if node.alive:
-                _wait_for(lambda n=node: _healthy(n), deadline)
+                _wait_for(partial(_healthy, node), deadline)
 
     def master_of(self, slot: int) -> Node:
         """The node that serves ``slot`` now, as the live nodes see it."""
         for node in self.nodes:
             if not node.alive:
                 continue
-            for low, high, master, *_ in node.client().execute_command("CLUSTER", "SLOTS"):
+            slots = node.client().execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+            for low, high, master, *_ in slots:
                 if low <= slot <= high:
                     port = int(master[1])
                     return next(n for n in self.nodes if n.port == port)
@@ -186,6 +194,10 @@ class LocalCluster:
         self.stop()
 
 
+def _my_id(node: Node) -> Any:
+    return node.client().cluster("myid")
+
+
 def _knows(node: Node, node_id: str) -> bool:
     nodes = node.client().cluster("nodes")
     return node_id in (nodes.decode() if isinstance(nodes, bytes) else str(nodes))
@@ -199,13 +211,13 @@ def _healthy(node: Node) -> bool:
     return replication.get("role") == "master" or replication.get("master_link_status") == "up"
 
 
-def _wait_for(check: object, deadline: float) -> object:
+def _wait_for(check: Callable[[], Any], deadline: float) -> Any:
     """``check()``'s first truthy value, retried (connection refused included) until
     ``deadline``."""
     last: BaseException | None = None
     while time.monotonic() < deadline:
         try:
-            value = check()  # type: ignore[operator]
+            value = check()
             if value:
                 return value
         except (redis.RedisError, OSError) as exc:
