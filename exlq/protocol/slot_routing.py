@@ -32,10 +32,13 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
+# How long one node may take to say where a slot is before the next node is asked.
+PROBE_TIMEOUT_S = 5.0
 
 
 class SlotMoved(RedisConnectionError):
@@ -98,7 +101,7 @@ class SlotLocator:
         errors: list[str] = []
         for node in dict.fromkeys([*self._known, self._seed]):
             try:
-                return await self._ask(node)
+                return await self._ask_within(node)
             except (RedisError, OSError) as exc:
                 if self.cluster is None:
                     raise  # the URL's node, asked first: its own error (refused, bad password)
@@ -106,6 +109,15 @@ class SlotLocator:
         raise RedisConnectionError(
             f"no node of the Redis Cluster says where slot {self.slot} is: " + "; ".join(errors)
         )
+
+    async def _ask_within(self, node: Address) -> Address:
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):  # a dead host may never answer
+                return await self._ask(node)
+        except TimeoutError:
+            raise RedisTimeoutError(
+                f"{node[0]}:{node[1]} did not answer within {PROBE_TIMEOUT_S:g}s"
+            ) from None
 
     async def _ask(self, node: Address) -> Address:
         kwargs = self._pool.connection_kwargs
