@@ -32,6 +32,7 @@ import redis
 from bench.local_cluster import LocalCluster, Node, find_cluster_server
 from exlq.producer import AsyncProducer
 from exlq.protocol.keys import QueueKeys
+from exlq.protocol.slot_routing import slot_client
 
 
 @dataclass
@@ -90,22 +91,15 @@ def start_workers(url: str, queues: list[str], count: int, args: argparse.Namesp
 
 
 def _ready(url: str, queue: str) -> int:
-    from exlq.protocol.slot_routing import masters_of, node_client
-
+    """The queue's workers whose heartbeat says ready, read on the queue's master."""
     client = redis.Redis.from_url(url)
-    key = QueueKeys(queue).workers
+    node = slot_client(client, QueueKeys(queue).workers)
     try:
-        for address in masters_of(client) or []:
-            node = node_client(client, address)
-            try:
-                beats = node.hvals(key) if node.exists(key) else []
-            except redis.ResponseError:  # MOVED: not this master's
-                beats = []
-            node.close()
-            if beats:
-                return sum(bool(json.loads(b).get("ready")) for b in beats)
-        return 0
+        beats = node.hvals(QueueKeys(queue).workers)
+        return sum(bool(json.loads(beat).get("ready")) for beat in beats)
     finally:
+        if node is not client:
+            node.close()
         client.close()
 
 

@@ -265,22 +265,13 @@ class EventRouter:
     async def _check_server(self) -> None:
         """Before anything is enqueued: may this user subscribe to job channels, and does
         the server run other commands on a subscribed connection?"""
-        conn = self._conn
-        await self._send(
+        answers = await self._answers(
             [
                 ("SUBSCRIBE", self._check_channel),
                 ("EXISTS", self._check_key),
                 ("UNSUBSCRIBE", self._check_channel),
             ]
         )
-        answers: list[object] = []
-        for _ in range(3):
-            try:
-                answers.append(
-                    await conn.read_response(disconnect_on_error=False, push_request=True)
-                )
-            except ResponseError as exc:
-                answers.append(exc)
         if isinstance(answers[0], ResponseError):
             raise type(answers[0])(
                 f"{answers[0]} ({self._check_channel}): grant this Redis user the job "
@@ -297,6 +288,20 @@ class EventRouter:
                 answers[1],
             )
 
+    async def _answers(self, commands: list[Command]) -> list[object]:
+        """Send ``commands`` (before the reader starts) and read one answer each: a reply,
+        a push, or the error Redis gave instead."""
+        await self._send(commands)
+        answers: list[object] = []
+        for _ in commands:
+            try:
+                answers.append(
+                    await self._conn.read_response(disconnect_on_error=False, push_request=True)
+                )
+            except ResponseError as exc:
+                answers.append(exc)
+        return answers
+
     async def _shards_events(self) -> bool:
         """Whether job events go on shard channels: on a Redis Cluster whose node takes
         SSUBSCRIBE for this user (Redis >= 7). On one Redis, sharded pub/sub would buy
@@ -304,17 +309,8 @@ class EventRouter:
         locator = getattr(type(self._conn), "locator", None)
         if self._shard_check_channel is None or not (locator and locator.cluster):
             return False
-        await self._send(
-            [("SSUBSCRIBE", self._shard_check_channel), ("SUNSUBSCRIBE", self._shard_check_channel)]
-        )
-        answers: list[object] = []
-        for _ in range(2):
-            try:
-                answers.append(
-                    await self._conn.read_response(disconnect_on_error=False, push_request=True)
-                )
-            except ResponseError as exc:
-                answers.append(exc)
+        channel = self._shard_check_channel
+        answers = await self._answers([("SSUBSCRIBE", channel), ("SUNSUBSCRIBE", channel)])
         if isinstance(answers[0], ResponseError):
             log.info(
                 "job events on the job's own channel: the Redis Cluster refused SSUBSCRIBE (%s)",

@@ -132,8 +132,8 @@ class SlotLocator:
             ranges = masters_by_slot(await probe.read_response())
         finally:
             await probe.disconnect()
-        self._known = list(dict.fromkeys(address for _, _, address in ranges)) or self._known
         self._masters = list(dict.fromkeys(address for _, _, address in ranges))
+        self._known = self._masters or self._known
         for first, last, address in ranges:
             if first <= self.slot <= last:
                 return address
@@ -282,17 +282,23 @@ def _base_class(pool: ConnectionPool) -> type[AbstractConnection]:
     return cls.locator.base_class if issubclass(cls, _FollowsSlot) else cls
 
 
-def masters_of(client: SyncRedis) -> list[Address] | None:
-    """(Synchronous clients, for one-shot commands.) Every master of the Redis Cluster
-    that ``client``'s node belongs to; None for a single Redis (or where INFO is denied)."""
+def _slot_ranges(client: SyncRedis) -> list[tuple[int, int, Address]] | None:
+    """(Synchronous.) ``CLUSTER SLOTS``' masters by range, where ``client``'s node is part
+    of a Redis Cluster; None for a single Redis (or where INFO is denied)."""
     try:
         info = client.info("cluster")
     except ResponseError:
         return None
     if not info.get("cluster_enabled"):
         return None
-    ranges = masters_by_slot(client.execute_command("CLUSTER", "SLOTS"))  # type: ignore[no-untyped-call]
-    return list(dict.fromkeys(address for _, _, address in ranges))
+    return masters_by_slot(client.execute_command("CLUSTER", "SLOTS"))  # type: ignore[no-untyped-call]
+
+
+def masters_of(client: SyncRedis) -> list[Address] | None:
+    """(Synchronous clients, for one-shot commands.) Every master of the Redis Cluster
+    that ``client``'s node belongs to; None for a single Redis (or where INFO is denied)."""
+    ranges = _slot_ranges(client)
+    return None if ranges is None else list(dict.fromkeys(a for _, _, a in ranges))
 
 
 def node_client(client: SyncRedis, address: Address) -> SyncRedis:
@@ -305,9 +311,9 @@ def node_client(client: SyncRedis, address: Address) -> SyncRedis:
 def slot_client(client: SyncRedis, key: str) -> SyncRedis:
     """(Synchronous.) A client of the node serving ``key``'s slot: on a single Redis,
     ``client`` itself; on a cluster, a new one (close it)."""
-    if masters_of(client) is None:
+    ranges = _slot_ranges(client)
+    if ranges is None:
         return client
     slot = key_slot(key.encode())
-    ranges = masters_by_slot(client.execute_command("CLUSTER", "SLOTS"))  # type: ignore[no-untyped-call]
     address = next(address for first, last, address in ranges if first <= slot <= last)
     return node_client(client, address)
