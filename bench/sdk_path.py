@@ -80,7 +80,7 @@ def publish_events(
 
 
 async def _release(producer: AsyncProducer, handles: list[JobHandle]) -> None:
-    await asyncio.gather(*(producer._release(h.id, h._events) for h in handles))
+    await asyncio.gather(*(h.detach() for h in handles))
 
 
 async def _timed_submit(

@@ -1,6 +1,6 @@
 """The SDK: submit jobs to a queue and follow their events. Needs no torch and no GPU."""
 
-from exlq.producer.client import AsyncProducer, JobHandle, JobStatus
+from exlq.producer.client import AsyncProducer, JobHandle
 from exlq.producer.errors import (
     ExlqError,
     InvalidRequest,
@@ -10,6 +10,7 @@ from exlq.producer.errors import (
     NoWorkers,
     QueueFull,
 )
+from exlq.producer.partition import JobStatus
 from exlq.producer.sync_client import Producer, SyncJobHandle
 from exlq.protocol.keys import QueueKeys
 from exlq.protocol.models import (

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -23,13 +22,14 @@ from exlq.producer.errors import (
     NoWorkers,
     QueueFull,
 )
+from exlq.producer.partition import JobStatus, QueuePartition, router_for
 from exlq.producer.quiet_wait import QuietWait
-from exlq.producer.submit_batch import SubmitBatcher, Submitted
-from exlq.producer.subscriber import RECONNECTED, EventRouter
+from exlq.producer.submit_batch import Submitted
+from exlq.producer.subscriber import RECONNECTED
 from exlq.producer.worker_watch import DEFAULT_STALE_AFTER_S, WorkerWatch
 from exlq.protocol.backoff import REDIS_BACKOFF
 from exlq.protocol.command_packing import pack_in_c
-from exlq.protocol.keys import DEFAULT_PREFIX, LANES, Lane, QueueKeys
+from exlq.protocol.keys import DEFAULT_PREFIX, LANES, Lane, QueueKeys, partition_of
 from exlq.protocol.models import (
     DoneEvent,
     ErrorEvent,
@@ -44,8 +44,9 @@ from exlq.protocol.models import (
     parse_event,
 )
 from exlq.protocol.packed_ids import PackedIds
+from exlq.protocol.partition_count import read_count
 from exlq.protocol.redis_credentials import RedisCredentials
-from exlq.protocol.slot_routing import follow_slot
+from exlq.protocol.slot_routing import client_like, follow_slot
 
 log = logging.getLogger(__name__)
 
@@ -59,39 +60,13 @@ RESULT_POLL_S = 30.0
 # A job that has heard nothing this long after its submit looks at the workers' heartbeats:
 # where none is live, nothing would ever run it (producer/worker_watch.py).
 WORKER_CHECK_S = 3.0
-# The job whose channel and state key the producer's event connection tries once, at
-# connect: may its Redis user subscribe to job channels, and does the server run commands
-# on a subscribed connection? Nothing is written.
-SERVER_CHECK_ID = "exlq-server-check"
 # How long a submit is sent again while Redis is away: a cluster's failover takes its node
 # timeout (15 s by default) and an election.
 SUBMIT_RETRY_S = 30.0
 
-# Mark the job so a worker that has not started it never will, and tell running workers.
-_CANCEL_LUA = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return '' end
-if state == 'queued' or state == 'running' then
-  redis.call('HSET', KEYS[1], 'cancel', '1')
-  redis.call('PUBLISH', ARGV[1], ARGV[2])
-end
-return state
-"""
-# The job has not started and no worker serves its queue: mark it, so that a worker that
-# starts later skips it, the way a cancel does.
-_CANCEL_QUEUED_LUA = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'queued' then redis.call('HSET', KEYS[1], 'cancel', '1') end
-return state or ''
-"""
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    id: str
-    state: str
-    attempts: int
-    worker: str | None
+# How long a producer trusts the queue's partition count before it reads it again: a
+# count a worker raised reaches the producers within this (docs/SCALING.md).
+PARTITION_COUNT_TTL_S = 30.0
 
 
 def build_request(prompt: str | None, fields: dict[str, Any]) -> GenerationRequest:
@@ -109,11 +84,17 @@ class JobHandle:
     """One submitted job. Consume it with stream(), stream_text() or result()."""
 
     def __init__(
-        self, producer: AsyncProducer, job_id: str, events: asyncio.Queue[bytes], duplicate: bool
+        self,
+        producer: AsyncProducer,
+        job_id: str,
+        events: asyncio.Queue[bytes],
+        duplicate: bool,
+        partition: QueuePartition,
     ) -> None:
         self.id = job_id
         self.duplicate = duplicate
         self._producer = producer
+        self._partition = partition  # where the job is, whatever the count becomes
         self._events = events
         self._wait = QuietWait(events)
         self._final: DoneEvent | ErrorEvent | None = None
@@ -143,7 +124,7 @@ class JobHandle:
             if watch.wait_for_worker:
                 watch.warn_waiting(self.id)
                 return False
-            state = await self._producer._cancel_if_queued(self.id)
+            state = await self._partition.cancel_if_queued(self.id)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # Redis is away: the handle waits it out, as its other reads do; asked again
             # at the next quiet spell.
@@ -168,19 +149,19 @@ class JobHandle:
                     yield self._track(event)
         except JobLost:
             # Nothing will publish on the channel of a job Redis has forgotten: leave it.
-            await self._producer._release(self.id, self._events)
+            await self._partition.release(self.id, self._events)
             raise
         finally:
             self._wait.close()
         # A caller that stops reading early keeps the channel: result() or stream() goes on
         # from where it stopped, and lets it go at the end (or detach() does).
-        await self._producer._release(self.id, self._events)
+        await self._partition.release(self.id, self._events)
 
     async def detach(self) -> None:
         """Stop following the job: its channel is unsubscribed, and the job runs on. Its
         result stays readable (``AsyncProducer.get_result``). For a producer that submits
         many jobs and reads their results later, rather than holding a subscription each."""
-        await self._producer._release(self.id, self._events)
+        await self._partition.release(self.id, self._events)
 
     async def _next_events(self) -> list[Event]:
         first_wait = not self._started and not self._quiet_waits
@@ -283,7 +264,7 @@ class JobHandle:
         )
 
     async def cancel(self) -> str:
-        return await self._producer.cancel(self.id)
+        return await self._partition.cancel(self.id)
 
     async def _stored_result(self) -> JobResult | None:
         """The stored result; None while the job has not ended. Raises JobLost where Redis
@@ -305,7 +286,7 @@ class JobHandle:
             before_sleep=_log_retry,
         ):
             with attempt:
-                return await self._producer._result_and_state(self.id)
+                return await self._partition.result_and_state(self.id)
         raise AssertionError("unreachable: the retry loop returns or raises")
 
     def _track(self, event: Event) -> Event:
@@ -423,24 +404,21 @@ class AsyncProducer:
             pack_in_c(pool)
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
-        self._router = EventRouter(
-            client,
-            self.keys.events(SERVER_CHECK_ID),
-            self.keys.job(SERVER_CHECK_ID),
-            self.keys.shard_events(SERVER_CHECK_ID),
-        )
-        self._submits = {
-            lane: SubmitBatcher(client, self._router, self.keys, state_ttl_s, max_backlog, lane)
-            for lane in LANES
-        }
+        self._router = router_for(client, self.keys)
+        base = QueuePartition(client, self._router, self.keys, state_ttl_s, max_backlog)
+        self._submits = base.submits
+        # Partition 0 is the queue's own keys; the others are made when a job first goes
+        # to them (a queue split in partitions, docs/SCALING.md).
+        self._partitions: dict[int, QueuePartition] = {0: base}
+        self._partition_count = 1
+        self._count_read_at: float | None = None
+        self._count_reading: asyncio.Future[int] | None = None
         self._workers = WorkerWatch(
             client,
             self.keys,
             stale_after_s=worker_stale_after_s,
             wait_for_worker=wait_for_worker,
         )
-        self._cancel_script = self._redis.register_script(_CANCEL_LUA)
-        self._cancel_queued_script = self._redis.register_script(_CANCEL_QUEUED_LUA)
 
     async def __aenter__(self) -> AsyncProducer:
         return self
@@ -450,8 +428,12 @@ class AsyncProducer:
 
     async def close(self) -> None:
         await self._workers.close()
-        for submits in self._submits.values():
-            await submits.close()
+        for n, partition in self._partitions.items():
+            await partition.close()
+            if n and partition.router is not self._router:
+                await partition.router.close()
+            if n:
+                await partition.client.aclose(close_connection_pool=True)
         await self._router.close()
         if self._owns_client:
             await self._redis.aclose(close_connection_pool=True)
@@ -497,20 +479,21 @@ class AsyncProducer:
             job_id, request_json = _wire_form(
                 request if same else request.model_copy(update={"v": version})
             )
-        submitted = await self._submit_riding_out_outages(priority, job_id, request_json)
+        partition, submitted = await self._submit_riding_out_outages(priority, job_id, request_json)
         if submitted.outcome == "full":
             raise QueueFull(
                 f"queue {self.keys.queue!r} holds {submitted.detail} jobs, at its limit of "
                 f"{self.max_backlog}: retry later or add workers"
             )
-        return JobHandle(self, job_id, submitted.events, duplicate=submitted.outcome == "duplicate")
+        duplicate = submitted.outcome == "duplicate"
+        return JobHandle(self, job_id, submitted.events, duplicate, partition)
 
     async def _submit_riding_out_outages(
         self, lane: Lane, job_id: str, request_json: str
-    ) -> Submitted:
-        """The submit, sent again with the same id while the connection is lost (a Redis
-        restart, a cluster's failover), for up to SUBMIT_RETRY_S: the id makes it one job
-        however many of the tries reached Redis."""
+    ) -> tuple[QueuePartition, Submitted]:
+        """The submit, to the job's partition, sent again with the same id while the
+        connection is lost (a Redis restart, a cluster's failover), for up to
+        SUBMIT_RETRY_S: the id makes it one job however many of the tries reached Redis."""
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type((RedisConnectionError, RedisTimeoutError, OSError)),
             wait=REDIS_BACKOFF,
@@ -519,53 +502,70 @@ class AsyncProducer:
             reraise=True,
         ):
             with attempt:
-                return await self._submits[lane].submit(job_id, request_json)
+                partition = await self._partition_of(job_id)
+                if partition.router.sharded is None:
+                    await partition.router.start()
+                return partition, await partition.submits[lane].submit(job_id, request_json)
         raise AssertionError("unreachable: the retry loop returns or raises")
 
-    async def get_result(self, job_id: str) -> JobResult | None:
-        raw = await self._redis.get(self.keys.result(job_id))
-        return None if raw is None else JobResult.model_validate_json(raw)
+    async def _partition_of(self, job_id: str) -> QueuePartition:
+        """The partition job ``job_id`` goes to, by the queue's count (read again after
+        PARTITION_COUNT_TTL_S)."""
+        read_at = self._count_read_at
+        if read_at is None or time.monotonic() - read_at > PARTITION_COUNT_TTL_S:
+            await self._read_partition_count()
+        return self._partition(partition_of(job_id, self._partition_count))
 
-    async def _result_and_state(self, job_id: str) -> tuple[JobResult | None, bool]:
-        """The stored result and whether the job's state hash exists, in one round trip.
-        No MULTI: the state exists from the submit until it expires, and the result is
-        written with the state's end, so no interleaving shows a job Redis holds as one
-        with neither."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.get(self.keys.result(job_id))
-        pipe.exists(self.keys.job(job_id))
-        raw, state_count = await pipe.execute()
-        result = None if raw is None else JobResult.model_validate_json(raw)
-        return result, bool(state_count)
+    async def _read_partition_count(self) -> None:
+        """The submits that find the count stale share one read of it."""
+        reading = self._count_reading
+        if reading is None or reading.done():
+            reading = self._count_reading = asyncio.ensure_future(
+                read_count(self._redis, self.keys)
+            )
+        self._partition_count = await asyncio.shield(reading)
+        self._count_read_at = time.monotonic()
+
+    def _partition(self, n: int) -> QueuePartition:
+        found = self._partitions.get(n)
+        if found is None:
+            keys = self.keys.of_partition(n)
+            client = client_like(self._redis, keys.jobs)
+            pack_in_c(client.connection_pool)
+            # Shard channels are subscribed on their slot's node; plain ones on any.
+            router = router_for(client, keys) if self._router.sharded else self._router
+            found = QueuePartition(client, router, keys, self.state_ttl_s, self.max_backlog)
+            self._partitions[n] = found
+        return found
+
+    async def _partitions_for(self, job_id: str) -> list[QueuePartition]:
+        """Where to look for job ``job_id``: the partition its id picks, then the others
+        (a job submitted while the count was another), each made as it is asked for."""
+        first = await self._partition_of(job_id)
+        rest = [self._partition(n) for n in range(self._partition_count)]
+        return [first, *(p for p in rest if p is not first)]
+
+    async def get_result(self, job_id: str) -> JobResult | None:
+        for partition in await self._partitions_for(job_id):
+            found = await partition.get_result(job_id)
+            if found is not None:
+                return found
+        return None
 
     async def status(self, job_id: str) -> JobStatus | None:
-        fields = cast("dict[bytes, bytes]", await self._redis.hgetall(self.keys.job(job_id)))
-        if not fields:
-            return None
-        text = {k.decode(): v.decode() for k, v in fields.items()}
-        return JobStatus(
-            id=job_id,
-            state=text.get("state", "unknown"),
-            attempts=int(text.get("attempts", "0")),
-            worker=text.get("worker"),
-        )
+        for partition in await self._partitions_for(job_id):
+            found = await partition.status(job_id)
+            if found is not None:
+                return found
+        return None
 
     async def cancel(self, job_id: str) -> str:
         """Ask for the job to stop. Returns the state it had ('' if unknown)."""
-        state = await self._cancel_script(
-            keys=[self.keys.job(job_id)], args=[self.keys.cancel, job_id]
-        )
-        return state.decode() if isinstance(state, bytes) else str(state)
-
-    async def _cancel_if_queued(self, job_id: str) -> str:
-        """Cancel the job only if no worker has started it; returns the state it had."""
-        state = await self._cancel_queued_script(keys=[self.keys.job(job_id)])
-        return state.decode() if isinstance(state, bytes) else str(state)
-
-    async def _release(self, job_id: str, events: asyncio.Queue[bytes]) -> None:
-        with contextlib.suppress(Exception):
-            channel = self.keys.channel(job_id, self._router.version)
-            await self._router.unsubscribe_many([(channel, events)])
+        for partition in await self._partitions_for(job_id):
+            state = await partition.cancel(job_id)
+            if state:
+                return state
+        return ""
 
 
 def _with_packed_ids(fields: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from exlq.producer.client import AsyncProducer, JobHandle, JobStatus
+from exlq.producer.client import AsyncProducer, JobHandle
+from exlq.producer.partition import JobStatus
 from exlq.protocol.models import Event, GenerationRequest, JobResult
 
 T = TypeVar("T")

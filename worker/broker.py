@@ -329,9 +329,25 @@ class Broker:
         whole.answered[batch.name] = reply_pairs(reply)
         return whole.answered[batch.name]
 
-    async def announce_lost(self, job_id: str, channel: str, event_json: str) -> bool:
+    @property
+    def reserved_slots(self) -> int:
+        """Slots a read in flight may still fill (partitions.PartitionedBroker); none here,
+        where every read is awaited."""
+        return 0
+
+    async def finish_reads(self) -> list[StreamEntry]:
+        """What the reads still in flight bring, once they end (partitions); none here."""
+        return []
+
+    def keys_of(self, entry_id: str) -> QueueKeys:
+        """The keys of the partition that entry ``entry_id`` came from: the queue's own."""
+        return self.keys
+
+    async def announce_lost(
+        self, job_id: str, entry_id: str, channel: str, event_json: str
+    ) -> bool:
         """Publish the event that tells a job's subscribers Redis lost it, unless its state
-        exists again; True if published."""
+        exists again; True if published. ``entry_id``: the job's entry, for its partition."""
         published = await self._lost(
             keys=[self.keys.job(job_id)], args=[channel, event_json, self.keys.base]
         )
@@ -364,15 +380,16 @@ class Broker:
                     break
         return taken
 
-    async def cancel_flags(self, job_ids: list[str]) -> list[str]:
-        """Which of these jobs a producer has asked to cancel (covers a missed pub/sub)."""
-        if not job_ids:
+    async def cancel_flags(self, jobs: list[tuple[str, str]]) -> list[str]:
+        """Which of these jobs, given as (job_id, entry_id), a producer has asked to cancel
+        (covers a missed pub/sub)."""
+        if not jobs:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for job_id in job_ids:
+        for job_id, _ in jobs:
             pipe.hget(self.keys.job(job_id), "cancel")
         flags = await pipe.execute()
-        return [job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag == b"1"]
+        return [job_id for (job_id, _), flag in zip(jobs, flags, strict=True) if flag == b"1"]
 
     async def trim(self) -> int:
         """Drop stream entries that every consumer group has delivered and acknowledged;

@@ -55,6 +55,9 @@ class Batch:
     # What each call of the batch reported, by the call's name, once Redis answered it: a
     # batch written in several calls and sent again sends only the calls not answered.
     answered: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    # A partitioned queue's batch, as one batch per partition (partitions.PartitionedBroker),
+    # kept so that the batch sent again sends each partition's own again.
+    parts: dict[int, Batch] | None = None
 
     def publish(self, channel: str, event_json: str, entry_id: str) -> None:
         self.publishes.append((channel, event_json, entry_id))

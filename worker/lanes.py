@@ -66,6 +66,28 @@ class TakePlan:
         steps = tuple((lane, max(cap - (lane in waited_on), 0)) for lane, cap in self.steps)
         return TakePlan(max(self.total - len(waited_on), 0), steps, self.held_back)
 
+    def less(self, taken: Mapping[Lane, int], total: int = 0) -> TakePlan:
+        """The plan with ``total`` fewer entries in all and, per lane, ``taken[lane]`` fewer
+        from that lane: what is left of it once those are in hand."""
+        steps = tuple((lane, max(cap - taken.get(lane, 0), 0)) for lane, cap in self.steps)
+        return TakePlan(max(self.total - total, 0), steps, self.held_back)
+
+    def lane_bounds(self) -> dict[Lane, int]:
+        """The most each lane may bring in this read (its last step's cap)."""
+        return {lane: max(cap for on, cap in self.steps if on == lane) for lane in self.lanes()}
+
+    def split(self, parts: int) -> list[TakePlan]:
+        """``parts`` plans that together take no more than this one, in all and from each
+        lane: each count shared as evenly as it goes, the odd ones to the first parts."""
+        return [
+            TakePlan(
+                _share(self.total, parts, i),
+                tuple((lane, _share(cap, parts, i)) for lane, cap in self.steps),
+                self.held_back,
+            )
+            for i in range(parts)
+        ]
+
     def wait_ms(self, block_ms: int) -> int:
         """How long a read that finds nothing may wait for an entry."""
         return min(block_ms, RESERVE_RECHECK_MS) if self.held_back else block_ms
@@ -90,6 +112,10 @@ class LanePolicy:
         steps.append(("interactive", free_slots))
         steps.append(("batch", min(batch_cap, free_slots)))
         return TakePlan(free_slots, tuple(steps), held_back=free_slots > 0 and batch_cap == 0)
+
+
+def _share(count: int, parts: int, index: int) -> int:
+    return count // parts + (1 if index < count % parts else 0)
 
 
 def count_by_lane(lanes: Iterable[Lane]) -> dict[Lane, int]:

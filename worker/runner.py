@@ -119,7 +119,8 @@ class Worker:
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - self.jobs.held
+        """Slots no job holds and no read in flight may fill."""
+        return self.capacity - self.jobs.held - self.broker.reserved_slots
 
     def take_plan(self, slots: int, in_hand: Iterable[Lane] = ()) -> TakePlan:
         """The read for ``slots`` of the free slots, by lane (worker/lanes.py). ``in_hand``:
@@ -200,7 +201,7 @@ class Worker:
     async def _read_loop(self) -> None:
         failures = 0
         while not self.stop_reading.is_set():
-            if self.free_slots <= 0:
+            if self.free_slots <= 0 and not self.broker.reserved_slots:
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), 1.0)
@@ -228,6 +229,13 @@ class Worker:
                 failures += 1
                 log.warning("reading from Redis failed (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
+        # A partitioned queue's waits still in flight end within read_block_ms: what they
+        # bring is taken, as a read in flight is.
+        with contextlib.suppress(RedisError):
+            left = await self.broker.finish_reads()
+            if left:
+                async with self._intake:
+                    await self.accept(left)
 
     async def reclaim(self) -> None:
         """Take over entries whose worker stopped renewing them, as slots allow. An entry
@@ -296,7 +304,7 @@ class Worker:
                 job_id=request.id,
                 entry_id=entry.entry_id,
                 request=request,
-                channel=self.broker.keys.channel(request.id, request.v),
+                channel=self.broker.keys_of(entry.entry_id).channel(request.id, request.v),
                 enqueued_at=entry.enqueued_at_server - self.clock_offset_s,
                 claimed_at=entry.claimed_at,
             )
@@ -454,7 +462,7 @@ class Worker:
         """The start script failed on this job's state key (say it holds another type): an
         error event and a dead-letter entry, then the ack. The key itself is left alone, so
         nothing else the worker writes fails on it."""
-        key = self.broker.keys.job(job.job_id)
+        key = self.broker.keys_of(job.entry_id).job(job.job_id)
         message = (
             f"cannot start the job: its state key {key} is unusable ({redis_error}); "
             "delete that key, or submit the job under another id"
@@ -750,7 +758,7 @@ class Worker:
                     continue
                 job.lost_announced = True
                 event = job.lost_event(self.broker.consumer)
-                if await self.broker.announce_lost(job.job_id, job.channel, event):
+                if await self.broker.announce_lost(job.job_id, job.entry_id, job.channel, event):
                     self.metrics.job_failed("lost")
 
     # -- state ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exlq.logs import LogFormat
 from exlq.protocol.keys import DEFAULT_PREFIX, check_name
+from exlq.protocol.partition_count import MAX_PARTITIONS
 from exlq.worker.engines.registry import EngineSpec, LoadRequest, find
 from exlq.worker.lanes import LanePolicy
 from exlq.worker.limits import RequestLimits
@@ -50,6 +51,14 @@ class BrokerSettings(BaseSettings):
     queue: str | None = Field(None, description="queue name; defaults to the model's name")
     prefix: str = DEFAULT_PREFIX
     consumer_name: str = Field(default_factory=default_consumer_name)
+    partitions: int = Field(
+        1,
+        ge=1,
+        le=MAX_PARTITIONS,
+        description="split the queue in this many partitions (streams in different slots of "
+        "a Redis Cluster), for a queue hotter than one shard; a worker raises the queue's "
+        "count to this, never lowers it, and reads every partition (docs/SCALING.md)",
+    )
     read_block_ms: int = Field(1000, ge=10)
     burst_wait_ms: int = Field(
         20,

@@ -136,7 +136,7 @@ class Upkeep:
 
     async def poll_cancels(self) -> None:
         """Cancellation flags, in case the pub/sub message was missed."""
-        running = [job.job_id for job in self.worker.jobs.jobs_in(_RUNNING)]
+        running = [(job.job_id, job.entry_id) for job in self.worker.jobs.jobs_in(_RUNNING)]
         for job_id in await self.worker.broker.cancel_flags(running):
             self.worker.cancel(job_id)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,6 +22,9 @@ LANES: tuple[Lane, ...] = ("interactive", "batch")
 # id>@<lane>`` in another, so that an entry is known by one string across the lanes' streams
 # (two streams can hold the same id).
 LANE_MARK = "@"
+# A partition's hash tag is ``{<queue>/<n>}``: '/' is outside the names' alphabet, so no
+# queue's own tag can be a partition's.
+PARTITION_MARK = "/"
 
 
 def entry_ref(entry_id: str, lane: Lane) -> str:
@@ -49,20 +53,48 @@ def events_channel(prefix: str, job_id: str) -> str:
     return f"{prefix}:out:{{{job_id}}}"
 
 
+def partition_of(job_id: str, partitions: int) -> int:
+    """The partition of a queue split in ``partitions`` that holds job ``job_id``: CRC-32
+    (zlib's, as every language has it) of the id's UTF-8 bytes, modulo the count. A job's
+    id picks its partition, so that submits of one id meet in one partition (dedupe)."""
+    return zlib.crc32(job_id.encode()) % partitions if partitions > 1 else 0
+
+
 @dataclass(frozen=True)
 class QueueKeys:
-    """Key names of one queue. All share the hash tag ``{queue}`` (valid on Redis Cluster)."""
+    """Key names of one queue, or of one partition of it. A queue's keys share the hash tag
+    ``{queue}`` (one slot of a Redis Cluster); partition n > 0 of a split queue has its own,
+    ``{queue/n}``, and partition 0 is the queue's own keys. The heartbeats, the cancel
+    channel and the partition count are the queue's, whatever the partition."""
 
     queue: str
     prefix: str = DEFAULT_PREFIX
+    partition: int = 0
 
     def __post_init__(self) -> None:
         check_name("queue name", self.queue)
         check_name("key prefix", self.prefix)
+        if not isinstance(self.partition, int) or self.partition < 0:
+            raise ValueError(f"partition {self.partition!r} is not valid: use 0 or more")
+
+    def of_partition(self, partition: int) -> QueueKeys:
+        """The keys of one partition of this queue."""
+        return QueueKeys(self.queue, self.prefix, partition)
+
+    @property
+    def _queue_base(self) -> str:
+        return f"{self.prefix}:{{{self.queue}}}"
 
     @property
     def _base(self) -> str:
-        return f"{self.prefix}:{{{self.queue}}}"
+        if self.partition:
+            return f"{self.prefix}:{{{self.queue}{PARTITION_MARK}{self.partition}}}"
+        return self._queue_base
+
+    @property
+    def partitions(self) -> str:
+        """String holding how many partitions the queue is split in (absent: one)."""
+        return f"{self._queue_base}:partitions"
 
     @property
     def base(self) -> str:
@@ -87,7 +119,7 @@ class QueueKeys:
     @property
     def workers(self) -> str:
         """Hash of worker heartbeats: consumer name -> JSON."""
-        return f"{self._base}:workers"
+        return f"{self._queue_base}:workers"
 
     @property
     def commits(self) -> str:
@@ -98,7 +130,7 @@ class QueueKeys:
     @property
     def cancel(self) -> str:
         """Pub/sub channel of cancellation requests (payload: a job id)."""
-        return f"{self._base}:cancel"
+        return f"{self._queue_base}:cancel"
 
     def job(self, job_id: str) -> str:
         """Hash of one job's state, for dedupe, status and cancellation."""

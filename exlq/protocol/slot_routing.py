@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from redis import ConnectionPool as SyncPool
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
-from redis.asyncio.connection import AbstractConnection, ConnectionPool
+from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool, ConnectionPool
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -274,6 +274,19 @@ def _pool_like(client: Redis, key: str) -> ConnectionPool:
     made = ConnectionPool(connection_class=_base_class(pool), **pool.connection_kwargs)
     follow_slot(made, key)
     return made
+
+
+def client_like(client: Redis, key: str) -> Redis:
+    """A client with ``client``'s settings and a pool of its own of the same kind and size
+    (a blocking pool stays one), reaching the node serving ``key``'s slot (a queue's other
+    partition): on a single Redis, the same server."""
+    pool = client.connection_pool
+    options: dict[str, Any] = {"max_connections": pool.max_connections}
+    if isinstance(pool, BlockingConnectionPool):
+        options["timeout"] = pool.timeout
+    made = type(pool)(connection_class=_base_class(pool), **options, **pool.connection_kwargs)
+    follow_slot(made, key)
+    return Redis(connection_pool=made)
 
 
 def _base_class(pool: ConnectionPool) -> type[AbstractConnection]:

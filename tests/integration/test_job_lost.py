@@ -19,7 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from exlq import AsyncProducer, JobHandle, JobLost, Producer
-from exlq.producer.client import AsyncProducer as ClientAsyncProducer
+from exlq.producer.partition import QueuePartition
 from exlq.protocol.models import JobResult
 from exlq.worker.embedded_redis import RedisServer
 from tests.conftest import ROOT
@@ -46,13 +46,13 @@ def quiet_poll_s(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
 def state_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The job ids whose stored result and state the SDK read."""
     reads: list[str] = []
-    read = ClientAsyncProducer._result_and_state
+    read = QueuePartition.result_and_state
 
-    async def counted(self: ClientAsyncProducer, job_id: str) -> tuple[JobResult | None, bool]:
+    async def counted(self: QueuePartition, job_id: str) -> tuple[JobResult | None, bool]:
         reads.append(job_id)
         return await read(self, job_id)
 
-    monkeypatch.setattr(ClientAsyncProducer, "_result_and_state", counted)
+    monkeypatch.setattr(QueuePartition, "result_and_state", counted)
     return reads
 
 

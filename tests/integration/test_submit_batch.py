@@ -120,7 +120,7 @@ async def test_a_submit_cancelled_while_its_batch_is_out_leaves_no_subscription(
             await dropped
         await producer._submits["interactive"].close()
         assert producer._router.channel_count == 1
-        await producer._release(handle.id, handle._events)
+        await handle.detach()
         assert producer._router.channel_count == 0
 
 
