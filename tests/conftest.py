@@ -28,6 +28,7 @@ from exlq.worker.engine_loop import EngineLoop
 from exlq.worker.engines.base import Engine
 from exlq.worker.engines.echo.engine import EchoEngine
 from exlq.worker.metrics import Metrics
+from exlq.worker.partitions import with_partitions
 from exlq.worker.runner import Worker
 from exlq.worker.settings import WorkerSettings
 
@@ -148,6 +149,7 @@ async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callabl
             dead_max_len=redis.dead_stream_max_len,
             max_entry_bytes=settings.limits.max_request_bytes,
         )
+        broker = await with_partitions(broker, redis.partitions)
         metrics = Metrics(settings.queue_name)
         worker = Worker(settings, EngineLoop(engine), broker, metrics)
         stop = asyncio.Event()

@@ -14,7 +14,6 @@ from redis.exceptions import NoPermissionError, RedisError
 from exlq._version import __version__
 from exlq.logs import configure_logging
 from exlq.protocol.keys import QueueKeys
-from exlq.protocol.partition_count import raise_count
 from exlq.protocol.redis_credentials import use_credentials
 from exlq.worker import tracing
 from exlq.worker.broker import Broker
@@ -24,7 +23,7 @@ from exlq.worker.engines import EngineUnavailable, build_engine
 from exlq.worker.gc_pauses import freeze_startup_heap
 from exlq.worker.http_server import HealthServer
 from exlq.worker.metrics import Metrics
-from exlq.worker.partitions import PartitionedBroker
+from exlq.worker.partitions import with_partitions
 from exlq.worker.redis_refusals import (
     CREDENTIALS_REFUSED,
     OnceARefusal,
@@ -96,7 +95,7 @@ async def serve(settings: WorkerSettings) -> int:
     try:
         await _check_redis(broker, redis.redis_url)
         await _check_access(broker, redis.redis_url)
-        broker = await _split(broker, redis.partitions)
+        broker = await with_partitions(broker, redis.partitions)
         try:
             async with _heartbeats_while_loading(settings, broker):
                 engine = await asyncio.to_thread(load_engine, settings)
@@ -108,17 +107,6 @@ async def serve(settings: WorkerSettings) -> int:
             engine.close()
     finally:
         await broker.close()
-
-
-async def _split(broker: Broker, wanted: int) -> Broker:
-    """The broker of every partition of the queue: the queue's count, raised to ``wanted``
-    if it is lower (exlq/protocol/partition_count.py)."""
-    count = await raise_count(broker.client, broker.keys, wanted)
-    if count == 1:
-        return broker
-    if count > wanted:
-        log.info("queue %r has %d partitions; reading them all", broker.keys.queue, count)
-    return PartitionedBroker.around(broker, count)
 
 
 @contextlib.asynccontextmanager

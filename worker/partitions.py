@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Iterable, Sequence
@@ -34,10 +35,13 @@ from typing import Any
 
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.keys import LANE_MARK, Lane, QueueKeys
+from exlq.protocol.partition_count import raise_count
 from exlq.protocol.slot_routing import client_like
 from exlq.worker.broker import Broker, Read, StartDecision, StreamEntry
 from exlq.worker.commit_batch import Batch
 from exlq.worker.lanes import TakePlan
+
+log = logging.getLogger(__name__)
 
 PARTITION_TAG = "#"
 # A wait that leaves partitions unwatched (fewer free slots than partitions) lasts this long
@@ -46,6 +50,18 @@ UNWATCHED_RECHECK_MS = 50
 # A partition whose node failed is left out of reads this long (a failover under way), so
 # that reads of the others go on meanwhile.
 DOWN_RETRY_S = 1.0
+
+
+async def with_partitions(broker: Broker, wanted: int) -> Broker:
+    """The broker of every partition of ``broker``'s queue: the queue's count, raised to
+    ``wanted`` if it is lower (exlq/protocol/partition_count.py); ``broker`` itself for a
+    queue of one partition."""
+    count = await raise_count(broker.client, broker.keys, wanted)
+    if count == 1:
+        return broker
+    if count > wanted:
+        log.info("queue %r has %d partitions; reading them all", broker.keys.queue, count)
+    return PartitionedBroker.around(broker, count)
 
 
 def tag(entry_ref: str, partition: int) -> str:
