@@ -4,13 +4,14 @@ workers (`exlq worker --engine echo`, no GPU) and the SDK, each a process of thi
 
     python -m bench.cluster_capacity --workers 1,2,4,8 --jobs 400 --tokens 8,64
 
-For each count of workers, on one queue and dealt over four queues (four workers or more),
-and two lengths of job, it prints jobs/s, token events/s, the busiest master's Redis CPU
-(seconds of CPU per second, from INFO cpu), and, from INFO commandstats and the network
-counters of every master, the Redis commands and bytes a job costs; a straight line through
-the two lengths splits that into a job's own cost and each token's. The echo workers make
-tokens as fast as they can (--tokens-per-second), so Redis, the workers and the producer
-share this machine's CPUs: the costs carry over to other machines roughly, the rates not.
+For each count of workers, on one queue, dealt over four queues (four workers or more) and
+on one queue split in four partitions (docs/SCALING.md), and two lengths of job, it prints
+jobs/s, token events/s, each master's Redis CPU (seconds of CPU per second, from INFO cpu),
+and, from INFO commandstats and the network counters of every master, the Redis commands
+and bytes a job costs; a straight line through the two lengths splits that into a job's own
+cost and each token's. The echo workers make tokens as fast as they can
+(--tokens-per-second), so Redis, the workers and the producer share this machine's CPUs:
+the costs carry over to other machines roughly, the rates not.
 """
 
 from __future__ import annotations
@@ -68,9 +69,26 @@ def _since(before: Counters, after: Counters) -> Counters:
     )
 
 
-def start_workers(url: str, queues: list[str], count: int, args: argparse.Namespace) -> Any:
-    """``count`` echo workers, dealt round the queues; returns the processes once each has
-    a ready heartbeat."""
+@dataclass(frozen=True)
+class Layout:
+    """How the bench's jobs are laid out: its queues, each split in ``partitions``."""
+
+    name: str
+    queues: list[str]
+    partitions: int = 1
+
+
+LAYOUTS = {
+    "one": Layout("one queue", ["capacity"]),
+    "four": Layout("four queues", ["cap-a", "cap-b", "cap-c", "cap-d"]),
+    "partitioned": Layout("one queue, four partitions", ["capacity-p"], partitions=4),
+}
+
+
+def start_workers(url: str, layout: Layout, count: int, args: argparse.Namespace) -> Any:
+    """``count`` echo workers, dealt round the layout's queues; returns the processes once
+    each has a ready heartbeat."""
+    queues = layout.queues
     log = tempfile.TemporaryFile()  # noqa: SIM115 - lives with the processes
     processes = []
     for i in range(count):
@@ -80,6 +98,7 @@ def start_workers(url: str, queues: list[str], count: int, args: argparse.Namesp
         command += ["--max-batch-size", str(args.batch)]
         command += ["-o", f"tokens_per_second={args.tokens_per_second}"]
         env = {**os.environ, "EXLQ_CONSUMER_NAME": f"bench-{i}"}
+        env["EXLQ_PARTITIONS"] = str(layout.partitions)
         processes.append(subprocess.Popen(command, stdout=log, stderr=log, env=env))
     deadline = time.monotonic() + 60
     while sum(_ready(url, queue) for queue in set(queues)) < count:
@@ -121,8 +140,9 @@ async def burst(url: str, queues: list[str], jobs: int, tokens: int) -> float:
     return wall
 
 
-def run_case(cluster: LocalCluster, queues: list[str], workers: int, args: Any) -> dict[str, Any]:
-    processes = start_workers(cluster.url, queues, workers, args)
+def run_case(cluster: LocalCluster, layout: Layout, workers: int, args: Any) -> dict[str, Any]:
+    queues = layout.queues
+    processes = start_workers(cluster.url, layout, workers, args)
     try:
         asyncio.run(burst(cluster.url, queues, min(args.jobs, 32), 4))  # first-use costs
         masters = cluster.masters_now()
@@ -142,14 +162,18 @@ def run_case(cluster: LocalCluster, queues: list[str], workers: int, args: Any) 
             calls[name] = calls.get(name, 0) + count
     events = calls.get("spublish", 0) + calls.get("publish", 0)
     cpu_s = sum(c.cpu_s for c in spent.values())
+    busy = sorted((c.cpu_s / wall for c in spent.values()), reverse=True)
     return {
+        "layout": layout.name,
         "queues": len(queues),
+        "partitions": layout.partitions,
         "workers": workers,
         "tokens_per_job": args.tokens,
         "jobs_per_s": round(args.jobs / wall, 1),
         "token_events_per_s": round(events / wall),
         "tokens_per_event": round(tokens / events, 2) if events else None,
-        "busiest_master_cpu": round(max(c.cpu_s for c in spent.values()) / wall, 2),
+        "busiest_master_cpu": round(busy[0], 2),
+        "masters_cpu": [round(cpu, 2) for cpu in busy],
         "commands_per_job": round(sum(calls.values()) / args.jobs, 1),
         "bytes_in_per_job": round(sum(c.bytes_in for c in spent.values()) / args.jobs),
         "bytes_out_per_job": round(sum(c.bytes_out for c in spent.values()) / args.jobs),
@@ -191,16 +215,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", default="8,64", type=_counts, help="two: the cost fit")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens-per-second", type=float, default=100_000.0)
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help=f"some of {', '.join(LAYOUTS)}"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    layouts = [LAYOUTS[name] for name in args.layouts.split(",")]
     binary = find_cluster_server()
     if binary is None:
         raise SystemExit("needs a redis-server >= 7 (EXLQ_CLUSTER_REDIS_SERVER)")
     rows = []
     token_counts = args.tokens
     with LocalCluster(binary) as cluster:
-        for layout in (["capacity"], ["cap-a", "cap-b", "cap-c", "cap-d"]):
-            for workers in [n for n in args.workers if n >= len(layout)]:
+        for layout in layouts:
+            least = max(len(layout.queues), layout.partitions)
+            for workers in [n for n in args.workers if n >= least]:
                 for tokens in token_counts:
                     args.tokens = tokens
                     row = run_case(cluster, layout, workers, args)

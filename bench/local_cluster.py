@@ -146,7 +146,7 @@ class LocalCluster:
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Until every live node reports cluster_state:ok and every slot is served, and
-        every live replica's link to its master is up."""
+        every live replica's link to its master is up and in sync."""
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
             if node.alive:
@@ -208,7 +208,10 @@ def _healthy(node: Node) -> bool:
     if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != SLOTS:
         return False
     replication = node.client().info("replication")
-    return replication.get("role") == "master" or replication.get("master_link_status") == "up"
+    if replication.get("role") == "master":  # each replica it has is in sync (WAIT counts it)
+        links = [v for k, v in replication.items() if k.startswith("slave") and k[5:].isdigit()]
+        return all(link.get("state") == "online" for link in links)
+    return replication.get("master_link_status") == "up"
 
 
 def _wait_for(check: Callable[[], Any], deadline: float) -> Any:

@@ -5,6 +5,10 @@ The HTTP server (prometheus_client's WSGI app, in a thread) asks the event loop,
 the Redis client, for a collection, and waits at most the scrape timeout: a scrape never
 hangs on Redis, and a Redis that fails or is late yields ``exlq_exporter_redis_up 0``
 instead of an error page. /healthz answers 200 whatever Redis does (the process is alive).
+
+A queue split in partitions is one queue here, as producers and workers see it: its series
+sum every partition's (queue_stats.QueueReader), and ``exlq_queue_partitions`` says how many
+there are.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ _QUEUE_GAUGES: dict[str, str] = {
     "exlq_queue_workers_live": "Workers whose heartbeat is live.",
     "exlq_queue_capacity": "Batch slots of the live workers, together.",
     "exlq_queue_running": "Jobs the live workers hold, from their heartbeats.",
+    "exlq_queue_partitions": "Partitions the queue is split in (1: not split).",
 }
 
 
@@ -140,7 +145,13 @@ def queue_families(stats: list[QueueStats]) -> Iterator[GaugeMetricFamily]:
             )
             for family, value in zip(lane_families.values(), values, strict=True):
                 family.add_metric(labels, value)
-        totals = (queue.dead_letters, len(queue.workers), queue.capacity, queue.running)
+        totals = (
+            queue.dead_letters,
+            len(queue.workers),
+            queue.capacity,
+            queue.running,
+            queue.partitions,
+        )
         for family, value in zip(per_queue.values(), totals, strict=True):
             family.add_metric([queue.queue], value)
     yield from lane_families.values()

@@ -3,6 +3,10 @@
 Rates: each worker's heartbeat carries the jobs it ended and the tokens it made per second
 over its last heartbeat interval (5 s by default); a queue's rates are its live workers'
 sums, so `--once` shows them too. "-": no live worker has sent two heartbeats yet.
+
+A queue split in partitions shows as one queue: its rows sum every partition's
+(queue_stats.QueueReader), the row under its name says how many partitions it has, and a
+dead letter of partition n > 0 shows as ``<entry id>#<n>`` (as `exlq dead` names it).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ class Snapshot:
             (queue.queue, letter)
             for queue in stats
             if queue.dead_letters
-            for letter in await reader.recent_dead_letters(queue.queue, RECENT_ERRORS)
+            for letter in await reader.recent_dead_letters(
+                queue.queue, RECENT_ERRORS, queue.partitions
+            )
         ]
         letters.sort(key=lambda pair: pair[1].failed_at, reverse=True)
         return cls(tuple(stats), tuple(letters[:RECENT_ERRORS]))
@@ -59,7 +65,7 @@ def _queue_table(queues: Iterable[QueueStats]) -> Table:
             waiting = f"{lane.waiting:,}" if lane.waiting_exact else f"<={lane.waiting:,}"
             first = index == 0  # the queue's name and rates, on its first lane's row
             table.add_row(
-                queue.queue if first else "",
+                _queue_cell(queue, index),
                 lane.lane,
                 f"{lane.length:,}",
                 waiting,
@@ -69,6 +75,14 @@ def _queue_table(queues: Iterable[QueueStats]) -> Table:
                 _rate(queue.tokens_per_s, ",.0f") if first else "",
             )
     return table
+
+
+def _queue_cell(queue: QueueStats, row: int) -> str:
+    """The queue column of a queue's ``row``-th lane row: its name, then (split queues) how
+    many partitions its numbers sum."""
+    if row == 0:
+        return queue.queue
+    return f"{queue.partitions} partitions" if row == 1 and queue.partitions > 1 else ""
 
 
 def _worker_table(queues: Iterable[QueueStats]) -> Table:
@@ -101,7 +115,7 @@ def _error_table(dead: Iterable[tuple[str, DeadLetter]], now_s: float) -> Table:
     for queue, letter in dead:
         table.add_row(
             queue,
-            letter.entry_id,
+            letter.name,
             letter.error,
             letter.message[:60],
             f"{_duration(now_s - letter.failed_at)} ago",

@@ -7,6 +7,7 @@ from exlq.producer.errors import (
     JobFailed,
     JobLost,
     JobRestarted,
+    NotReplicated,
     NoWorkers,
     QueueFull,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "JobResult",
     "JobStatus",
     "NoWorkers",
+    "NotReplicated",
     "Producer",
     "QueueFull",
     "QueueKeys",

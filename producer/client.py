@@ -24,7 +24,7 @@ from exlq.producer.errors import (
 )
 from exlq.producer.partition import JobStatus, QueuePartition, router_for
 from exlq.producer.quiet_wait import QuietWait
-from exlq.producer.submit_batch import Submitted
+from exlq.producer.submit_batch import Replicas, Submitted
 from exlq.producer.subscriber import RECONNECTED
 from exlq.producer.worker_watch import DEFAULT_STALE_AFTER_S, WorkerWatch
 from exlq.protocol.backoff import REDIS_BACKOFF
@@ -64,6 +64,8 @@ WORKER_CHECK_S = 3.0
 # timeout (15 s by default) and an election.
 SUBMIT_RETRY_S = 30.0
 
+# How long a submit with replicas=N waits for them to confirm it.
+DEFAULT_REPLICA_WAIT_MS = 1000
 # How long a producer trusts the queue's partition count before it reads it again: a
 # count a worker raised reaches the producers within this (docs/SCALING.md).
 PARTITION_COUNT_TTL_S = 30.0
@@ -361,6 +363,8 @@ class AsyncProducer:
         wait_for_worker: bool = False,
         worker_stale_after_s: float = DEFAULT_STALE_AFTER_S,
         credentials: RedisCredentials | None = None,
+        replicas: int = 0,
+        replica_wait_ms: int = DEFAULT_REPLICA_WAIT_MS,
     ) -> None:
         """A job that has heard nothing WORKER_CHECK_S after its submit, and every
         RESULT_POLL_S after that until it starts, is checked against the workers'
@@ -385,8 +389,17 @@ class AsyncProducer:
 
         ``credentials`` log the connections in, over the URL's user and password (which a
         URL needs percent-encoded); ``RedisCredentials()`` reads EXLQ_REDIS_USERNAME and
-        EXLQ_REDIS_PASSWORD. Unused with ``client``, which comes logged in."""
+        EXLQ_REDIS_PASSWORD. Unused with ``client``, which comes logged in.
+
+        ``replicas=N`` makes a submit return only once N replicas of the queue's master
+        hold the job (Redis WAIT, behind the submit on its connection, up to
+        ``replica_wait_ms``), so that a failover cannot lose a job whose submit returned;
+        else it raises NotReplicated, and the same id may be submitted again. It costs a
+        replica's round trip per submit (docs/SCALING.md, "Failover")."""
+        if replicas < 0 or replica_wait_ms < 1:
+            raise ValueError("replicas must be 0 or more, and replica_wait_ms 1 or more")
         self.keys = QueueKeys(queue=queue, prefix=prefix)
+        self._replicas = Replicas(replicas, replica_wait_ms) if replicas else None
         self.max_backlog = max_backlog
         self.pack_ids = pack_ids
         self.state_ttl_s = state_ttl_s
@@ -405,7 +418,9 @@ class AsyncProducer:
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
         self._router = router_for(client, self.keys)
-        base = QueuePartition(client, self._router, self.keys, state_ttl_s, max_backlog)
+        base = QueuePartition(
+            client, self._router, self.keys, state_ttl_s, max_backlog, self._replicas
+        )
         self._submits = base.submits
         # Partition 0 is the queue's own keys; the others are made when a job first goes
         # to them (a queue split in partitions, docs/SCALING.md).
@@ -534,7 +549,9 @@ class AsyncProducer:
             pack_in_c(client.connection_pool)
             # Shard channels are subscribed on their slot's node; plain ones on any.
             router = router_for(client, keys) if self._router.sharded else self._router
-            found = QueuePartition(client, router, keys, self.state_ttl_s, self.max_backlog)
+            found = QueuePartition(
+                client, router, keys, self.state_ttl_s, self.max_backlog, self._replicas
+            )
             self._partitions[n] = found
         return found
 

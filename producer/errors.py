@@ -52,6 +52,22 @@ class JobLost(ExlqError):
         self.job_id = job_id
 
 
+class NotReplicated(ExlqError):
+    """A submit asked for ``replicas`` copies (AsyncProducer(replicas=N)) and fewer replicas
+    confirmed the job within the wait: it is queued on the master, and a failover now could
+    lose it. Submitting the same id again is safe: it is one job."""
+
+    def __init__(self, job_id: str, confirmed: int, wanted: int, wait_ms: int) -> None:
+        super().__init__(
+            f"job {job_id} is queued, but {confirmed} of the {wanted} replicas asked for "
+            f"confirmed it within {wait_ms} ms (Redis WAIT): a failover now could lose it. "
+            "Submit it again under the same id (it stays one job) to wait again, or check "
+            "the replicas (INFO replication)"
+        )
+        self.job_id = job_id
+        self.confirmed = confirmed
+
+
 class JobRestarted(ExlqError):
     """A retry produced text that differs from what stream_text() had already yielded."""
 
@@ -63,5 +79,6 @@ __all__ = [
     "JobLost",
     "JobRestarted",
     "NoWorkers",
+    "NotReplicated",
     "QueueFull",
 ]

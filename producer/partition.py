@@ -15,7 +15,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from exlq.producer.submit_batch import SubmitBatcher
+from exlq.producer.submit_batch import Replicas, SubmitBatcher
 from exlq.producer.subscriber import EventRouter
 from exlq.protocol.keys import LANES, QueueKeys
 from exlq.protocol.models import JobResult
@@ -72,12 +72,13 @@ class QueuePartition:
         keys: QueueKeys,
         state_ttl_s: int,
         max_backlog: int,
+        replicas: Replicas | None = None,
     ) -> None:
         self.client = client
         self.router = router
         self.keys = keys
         self.submits = {
-            lane: SubmitBatcher(client, router, keys, state_ttl_s, max_backlog, lane)
+            lane: SubmitBatcher(client, router, keys, state_ttl_s, max_backlog, lane, replicas)
             for lane in LANES
         }
         self._cancel_script = client.register_script(_CANCEL_LUA)

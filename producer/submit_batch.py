@@ -35,10 +35,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
+from exlq.producer.errors import NotReplicated
 from exlq.producer.subscriber import EventRouter
 from exlq.protocol.batch_script import PIECE_JOBS, per_job_script, reply_pairs
 from exlq.protocol.eager_task import EAGER_START, eager_task
@@ -84,6 +86,26 @@ EAGER_SEND = EAGER_START
 
 
 @dataclass(frozen=True, slots=True)
+class Replicas:
+    """How many replicas must hold a submit before it returns (Redis WAIT, sent behind the
+    submit's script on the same connection), and how long to wait for them."""
+
+    count: int
+    wait_ms: int
+
+    @property
+    def command(self) -> tuple[str, int, int]:
+        return ("WAIT", self.count, self.wait_ms)
+
+    def met(self, confirmed: object) -> bool:
+        return isinstance(confirmed, int) and confirmed >= self.count
+
+    def short(self, job_id: str, confirmed: object) -> NotReplicated:
+        got = confirmed if isinstance(confirmed, int) else 0
+        return NotReplicated(job_id, got, self.count, self.wait_ms)
+
+
+@dataclass(frozen=True, slots=True)
 class Submitted:
     """What the submit script said of one job, and the queue its events arrive in."""
 
@@ -112,6 +134,7 @@ class SubmitBatcher:
         state_ttl_s: int,
         max_backlog: int,
         lane: Lane = "interactive",
+        replicas: Replicas | None = None,
     ) -> None:
         self._redis = client
         self._router = router
@@ -120,6 +143,7 @@ class SubmitBatcher:
         self._lane_mark = entry_ref("", lane)
         self._state_ttl_s = state_ttl_s
         self._max_backlog = max_backlog
+        self._replicas = replicas
         self._script = client.register_script(SUBMIT_MANY_LUA)
         self._waiting: list[_Pending] = []
         self._flush_due = False
@@ -183,33 +207,52 @@ class SubmitBatcher:
             args.append(self._lane_mark)
             args += [p.request_json for p in batch]
             script = ("EVALSHA", self._script.sha, len(keys), *keys, *args)
+            wait = None if self._replicas is None else self._replicas.command
             try:
-                queues, reply = await self._router.subscribe_then(channels, script)
+                queues, reply = await self._router.subscribe_then(channels, script, wait)
             except NoScriptError:
                 # Redis lost the script (a restart, SCRIPT FLUSH): nothing was enqueued.
                 await self._redis.script_load(SUBMIT_MANY_LUA)
-                queues, reply = await self._router.subscribe_then(channels, script)
+                queues, reply = await self._router.subscribe_then(channels, script, wait)
             subscriptions = list(zip(channels, queues, strict=True))
+            confirmed = None
+            if wait is not None:
+                reply, confirmed = cast("list[Any]", reply)
         except BaseException as exc:
             _fail(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        unwanted: list[tuple[str, asyncio.Queue[bytes]]] = []
-        for pending, subscription, (outcome, detail) in zip(
-            batch, subscriptions, reply_pairs(reply), strict=True
-        ):
-            if pending.done.done():  # the caller was cancelled meanwhile
-                unwanted.append(subscription)
-            elif outcome == "error":
-                unwanted.append(subscription)
-                pending.done.set_exception(ResponseError(detail))
-            else:
-                if outcome == "full":
-                    unwanted.append(subscription)
-                pending.done.set_result(Submitted(outcome, detail, subscription[1]))
+        unwanted = [
+            subscription
+            for pending, subscription, (outcome, detail) in zip(
+                batch, subscriptions, reply_pairs(reply), strict=True
+            )
+            if not self._settle(pending, subscription, outcome, detail, confirmed)
+        ]
         if unwanted:
             await self._router.unsubscribe_many(unwanted)
+
+    def _settle(
+        self,
+        pending: _Pending,
+        subscription: tuple[str, asyncio.Queue[bytes]],
+        outcome: str,
+        detail: str,
+        confirmed: object,
+    ) -> bool:
+        """Answer one submit by the script's outcome (and the replicas that confirmed the
+        piece); False where its channel is not wanted."""
+        if pending.done.done():  # the caller was cancelled meanwhile
+            return False
+        if outcome == "error":
+            pending.done.set_exception(ResponseError(detail))
+            return False
+        if outcome != "full" and self._replicas and not self._replicas.met(confirmed):
+            pending.done.set_exception(self._replicas.short(pending.job_id, confirmed))
+            return False
+        pending.done.set_result(Submitted(outcome, detail, subscription[1]))
+        return outcome != "full"
 
 
 def _fail(batch: list[_Pending], exc: BaseException) -> None:

@@ -136,12 +136,14 @@ class EventRouter:
         return len(self._queues)
 
     async def subscribe_then(
-        self, channels: list[str], command: Command
+        self, channels: list[str], command: Command, then: Command | None = None
     ) -> tuple[list[asyncio.Queue[bytes]], object]:
         """One queue per entry of ``channels``, and ``command``'s reply: Redis runs the
         command once every channel is subscribed. On failure (the command's error too),
         none of the queues stays registered. The command must not reply with nil or with
-        a 3-item list led by a pub/sub kind."""
+        a 3-item list led by a pub/sub kind. ``then``: a command sent right behind it on
+        the same connection (WAIT, which counts that connection's writes); the reply is
+        then the pair of replies."""
         queues: list[asyncio.Queue[bytes]] = []
         new: list[str] = []
         for channel in channels:
@@ -155,13 +157,13 @@ class EventRouter:
             await self.start()
             if self.commands_while_subscribed:
                 first: list[Command] = [(self._subscribe, *new)] if new else []
-                reply = await self._call([*first, command], len(new), wants_reply=True)
+                reply = await self._call([*first, command], len(new), wants_reply=True, then=then)
             else:
                 # A channel held already may still wait for its confirmation: ask again
                 # (Redis confirms a channel subscribed twice) rather than guess.
                 again = list(dict.fromkeys(channels))
                 await self._call([(self._subscribe, *again)], len(again), wants_reply=False)
-                reply = await self._client.execute_command(*command)  # type: ignore[no-untyped-call]
+                reply = await self._run_elsewhere(command, then)
         except BaseException:
             await self.unsubscribe_many(list(zip(channels, queues, strict=True)))
             raise
@@ -201,8 +203,26 @@ class EventRouter:
 
     # -- sending -------------------------------------------------------------------------
 
-    async def _call(self, commands: list[Command], confirmations: int, wants_reply: bool) -> object:
-        reply: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+    async def _run_elsewhere(self, command: Command, then: Command | None) -> object:
+        """``command`` (and ``then`` behind it, on the same connection) through the
+        client's pool, for a server that runs no command on a subscribed connection."""
+        if then is None:
+            return await self._client.execute_command(*command)  # type: ignore[no-untyped-call]
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*command)
+            pipe.execute_command(*then)
+            return list(await pipe.execute())
+
+    async def _call(
+        self,
+        commands: list[Command],
+        confirmations: int,
+        wants_reply: bool,
+        then: Command | None = None,
+    ) -> object:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[object] = loop.create_future()
+        behind: asyncio.Future[object] | None = None
         try:
             async with asyncio.timeout(REPLY_TIMEOUT_S):
                 await self._up.wait()
@@ -211,10 +231,19 @@ class EventRouter:
                         raise RedisConnectionError("the connection for events was just lost")
                     # Appended and written under one lock: the FIFO matches the wire.
                     self._sent.append(_Sent(confirmations, reply, wants_reply))
-                    await self._send(commands)
+                    if then is not None:
+                        behind = loop.create_future()
+                        self._sent.append(_Sent(0, behind, True))
+                    await self._send(commands if then is None else [*commands, then])
                 # Cancelling the wait cancels the future; what Redis owes it is still
                 # read and dropped in turn, so the writes after it meet their replies.
-                return await reply
+                if behind is None:
+                    return await reply
+                first, second = await asyncio.gather(reply, behind, return_exceptions=True)
+                for answer in (first, second):
+                    if isinstance(answer, BaseException):
+                        raise answer
+                return [first, second]
         except TimeoutError:
             raise RedisTimeoutError(
                 f"Redis did not answer within {REPLY_TIMEOUT_S:g}s; the connection "
