@@ -122,10 +122,10 @@ def _ready(url: str, queue: str) -> int:
         client.close()
 
 
-async def burst(url: str, queues: list[str], jobs: int, tokens: int) -> float:
+async def burst(url: str, queues: list[str], jobs: int, tokens: int, replicas: int = 0) -> float:
     """Submit ``jobs`` jobs spread over the queues at once and wait for every result;
-    returns the wall time."""
-    producers = [AsyncProducer(url, queue=queue) for queue in queues]
+    returns the wall time. ``replicas``: the producers' (a WAIT behind each submit)."""
+    producers = [AsyncProducer(url, queue=queue, replicas=replicas) for queue in queues]
     started = time.perf_counter()
 
     async def one(i: int) -> None:
