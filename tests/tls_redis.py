@@ -32,6 +32,7 @@ def producer_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
     """A producer of one queue: submit and cancel through the SDK's scripts, read its jobs'
     state and results, follow job channels. Nothing else: no DEL, no XRANGE, no other queue."""
     base = f"{prefix}:{{{queue}}}"
+    parts = f"{prefix}:{{{queue}/*}}"  # the keys of its partitions 1, 2, ... (exlq:{Q/n})
     return [
         "resetkeys",
         "resetchannels",
@@ -65,8 +66,15 @@ def producer_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         f"%R~{base}:result:*",
         # the workers' heartbeats, read-only: whether a live worker serves the queue
         f"%R~{base}:workers",
+        f"%R~{base}:partitions",  # how many partitions the queue has
+        # the same keys of the queue's other partitions (exlq:{Q/n}), where it has some
+        f"~{parts}:job:*",
+        f"~{parts}:jobs",
+        f"~{parts}:jobs:batch",
+        f"%R~{parts}:result:*",
         f"&{prefix}:out:*",
         f"&{base}:out:*",  # a job's shard channel (wire version 2, on a Redis Cluster)
+        f"&{parts}:out:*",
         # PUBLISH only to the queue's cancel channel (the cancel script), never an event
         f"(+publish &{base}:cancel)",
     ]
@@ -76,6 +84,7 @@ def worker_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
     """A worker of one queue: every command of worker/broker.py (and its scripts), on the
     queue's keys; SUBSCRIBE to the queue's cancel channel; PUBLISH to job channels only."""
     base = f"{prefix}:{{{queue}}}"
+    parts = f"{prefix}:{{{queue}/*}}"  # the keys of its partitions 1, 2, ... (exlq:{Q/n})
     return [
         "resetkeys",
         "resetchannels",
@@ -116,9 +125,11 @@ def worker_rules(queue: str, prefix: str = DEFAULT_PREFIX) -> list[str]:
         "+subscribe",
         "+unsubscribe",
         f"~{base}:*",
+        f"~{parts}:*",
         f"&{base}:cancel",
         f"(+publish &{prefix}:out:*)",
         f"(+spublish &{base}:out:*)",
+        f"(+spublish &{parts}:out:*)",
     ]
 
 

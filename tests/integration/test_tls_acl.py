@@ -15,6 +15,7 @@ import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
 from exlq.producer import AsyncProducer
+from exlq.protocol.keys import partition_of
 from exlq.protocol.models import TokenEvent
 from tests.tls_redis import (
     AclUser,
@@ -298,3 +299,17 @@ def test_security_doc_gives_the_tested_rules(kind: str, admin: redis.Redis) -> N
         # Redis takes the documented words as they are (a selector's parts joined again).
         setuser = ("ACL", "SETUSER", f"doc-{user}", "on", ">x", *documented)
         assert admin.execute_command(*setuser)  # type: ignore[no-untyped-call]
+
+
+async def test_a_queue_in_partitions_is_served_within_the_rules(
+    start_worker: Callable[..., Any], producer_url: str
+) -> None:
+    await start_worker(partitions=3)
+    async with AsyncProducer(producer_url, queue=QUEUE) as producer:
+        handles = [
+            await producer.submit(f"part {i}", id=f"acl-{i}", max_new_tokens=2) for i in range(9)
+        ]
+        results = [await handle.result(timeout=30) for handle in handles]
+        assert {partition_of(h.id, 3) for h in handles} == {0, 1, 2}
+        assert await producer.cancel(handles[0].id) == "done"
+    assert [r.text.split() for r in results] == [["part", str(i)] for i in range(9)]
