@@ -41,6 +41,14 @@ ClaimIdle = Annotated[
     int | None,
     typer.Option("--claim-idle-ms", help="a job this long without its worker's renewal is rerun"),
 ]
+Partitions = Annotated[
+    int | None,
+    typer.Option(
+        "--partitions",
+        help="split the queue over this many Redis Cluster slots; raises the queue's count, "
+        "never lowers it (1)",
+    ),
+]
 MaxAttempts = Annotated[
     int | None, typer.Option("--max-attempts", help="runs of one job before it is dead")
 ]
@@ -100,6 +108,7 @@ def worker(
     max_attempts: MaxAttempts = None,
     batch_min_slots: BatchMin = None,
     interactive_reserved_slots: Reserved = None,
+    partitions: Partitions = None,
     log_level: LogLevel = None,
     log_format: LogFormatOpt = None,
 ) -> None:
@@ -120,6 +129,7 @@ def worker(
         max_attempts=max_attempts,
         batch_min_slots=batch_min_slots,
         interactive_reserved_slots=interactive_reserved_slots,
+        partitions=partitions,
         log_level=log_level,
         log_format=log_format,
     )
