@@ -1,5 +1,10 @@
 """`exlq dead`: an operator's commands for a queue's dead letters (list, show, replay,
-purge). What they send to Redis is dead_letters.py's."""
+purge). What they send to Redis is dead_letters.py's.
+
+A queue split in partitions is one queue here: every command covers all its partitions.
+A dead letter of partition n > 0 shows with the id ``<entry id>#<n>`` (the name `show` and
+`replay` take), and `--json` gives each letter's ``partition`` for such a queue; a queue of
+one partition prints as it always did."""
 
 from __future__ import annotations
 
@@ -21,13 +26,14 @@ from exlq.ops.dead_letters import (
     DeadLetter,
     DeadLetterError,
     DeadLetters,
+    NodeClients,
     NotReplayed,
     Replayed,
+    open_dead_letters,
     resolve_queue,
 )
 from exlq.protocol.keys import DEFAULT_PREFIX
 from exlq.protocol.redis_credentials import RedisCredentials
-from exlq.protocol.slot_routing import slot_client
 
 dead_app = typer.Typer(
     name="dead",
@@ -65,23 +71,22 @@ def parse_duration_s(text: str) -> float:
 
 @contextmanager
 def _queue(redis_url: str, prefix: str, queue: str | None) -> Iterator[DeadLetters]:
-    """The queue's dead letters; any failure on the way is one clear error line."""
+    """The queue's dead letters, of every partition; any failure on the way is one clear
+    error line."""
     client = redis.Redis.from_url(
         redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
     )
     RedisCredentials().apply_to(client.connection_pool)
-    node = client
+    nodes = NodeClients(client)  # on a Redis Cluster, each partition's master
     try:
         keys = resolve_queue(client, prefix, queue)
-        node = slot_client(client, keys.jobs)  # on a Redis Cluster, the queue's master
-        yield DeadLetters(node, keys)
+        yield open_dead_letters(nodes, keys)
     except (DeadLetterError, ValueError) as exc:
         raise _fail(str(exc)) from None
     except (RedisError, OSError) as exc:
         raise _fail(f"Redis: {exc or type(exc).__name__}") from None
     finally:
-        if node is not client:
-            node.close()
+        nodes.close()
         client.close()
 
 
@@ -102,9 +107,11 @@ def _short(text: str, width: int = MESSAGE_WIDTH) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _as_dict(letter: DeadLetter) -> dict[str, Any]:
-    return {
-        "id": letter.entry_id,
+def _as_dict(letter: DeadLetter, partitioned: bool) -> dict[str, Any]:
+    """The letter's JSON; ``partition`` only for a split queue (one of a single partition
+    prints as it always did)."""
+    details = {
+        "id": letter.name,
         "job_id": letter.job_id,
         "failed_at": letter.failed_at,
         "attempts": letter.attempts,
@@ -114,6 +121,13 @@ def _as_dict(letter: DeadLetter) -> dict[str, Any]:
         "entry": letter.job_entry,
         "worker": letter.fields.get("worker"),
     }
+    return {**details, "partition": letter.partition} if partitioned else details
+
+
+def _queue_name(dead: DeadLetters) -> str:
+    """The queue, as the summaries name it; a split one says how many partitions it has."""
+    name = repr(dead.keys.queue)
+    return f"{name} ({dead.partitions} partitions)" if dead.partitions > 1 else name
 
 
 def _console() -> Console:
@@ -133,15 +147,16 @@ def list_(
     with _queue(redis_url, prefix, queue) as dead:
         letters, total = dead.newest(count), dead.count()
     if as_json:
-        typer.echo(json.dumps([_as_dict(letter) for letter in letters], indent=2))
+        partitioned = dead.partitions > 1
+        typer.echo(json.dumps([_as_dict(letter, partitioned) for letter in letters], indent=2))
         return
     if not letters:
-        typer.echo(f"no dead letters in queue {dead.keys.queue!r}")
+        typer.echo(f"no dead letters in queue {_queue_name(dead)}")
         return
     table = Table("id", "job id", "failed at (UTC)", "attempts", "error", "message", "lane")
     for letter in letters:
         table.add_row(
-            letter.entry_id,
+            letter.name,
             letter.job_id or "?",
             _when(letter),
             str(letter.attempts),
@@ -150,7 +165,7 @@ def list_(
             letter.lane,
         )
     _console().print(table)
-    typer.echo(f"{len(letters)} of {total} dead letters in queue {dead.keys.queue!r}")
+    typer.echo(f"{len(letters)} of {total} dead letters in queue {_queue_name(dead)}")
 
 
 @dead_app.command()
@@ -163,9 +178,11 @@ def show(
     """Show one dead letter whole: the error, the attempts and the request."""
     with _queue(redis_url, prefix, queue) as dead:
         letter = dead.find(ident)
-    details = _as_dict(letter)
-    for name in ("id", "job_id", "lane", "entry", "attempts", "error", "message", "worker"):
-        typer.echo(f"{name}: {details[name] if details[name] is not None else ''}")
+    details = _as_dict(letter, dead.partitions > 1)
+    shown = ("id", "job_id", "lane", "entry", "attempts", "error", "message", "worker")
+    for name in (*shown, "partition"):
+        if name in details:  # partition: a split queue's letters only
+            typer.echo(f"{name}: {details[name] if details[name] is not None else ''}")
     typer.echo(f"failed_at: {_when(letter)} UTC")
     for name, value in letter.fields.items():
         if name not in ("entry", "job", "error", "message", "attempts", "worker", "failed_at"):
@@ -199,24 +216,29 @@ def replay(
     with _queue(redis_url, prefix, queue) as dead:
         letters = dead.all() if replay_all else [dead.find(ident) for ident in idents or []]
         if replay_all and not letters:
-            typer.echo(f"no dead letters in queue {dead.keys.queue!r}")
+            typer.echo(f"no dead letters in queue {_queue_name(dead)}")
             return
         if replay_all and not yes:
             typer.confirm(
-                f"replay {len(letters)} dead letters of queue {dead.keys.queue!r}?", abort=True
+                f"replay {len(letters)} dead letters of queue {_queue_name(dead)}?", abort=True
             )
         for letter in letters:
             outcome = dead.replay(letter, STATE_TTL_S)
             if isinstance(outcome, Replayed):
                 typer.echo(
                     f"replayed job {outcome.job_id}: entry {outcome.entry_id} in lane "
-                    f"{outcome.lane}; events on {outcome.channel}"
+                    f"{outcome.lane}{_of_partition(outcome)}; events on {outcome.channel}"
                 )
             else:
                 not_replayed += 1
                 _report(outcome)
     if not_replayed:
         raise typer.Exit(1)
+
+
+def _of_partition(outcome: Replayed) -> str:
+    """Where a replayed job's entry is, beyond its lane: partition n > 0 of a split queue."""
+    return f" of partition {outcome.partition}" if outcome.partition else ""
 
 
 def _report(outcome: NotReplayed) -> None:
@@ -250,11 +272,11 @@ def purge(
         cutoff_ms = None if age_s is None else dead.now_ms() - int(age_s * 1000)
         count = dead.count_older_than(cutoff_ms)
         which = "" if older_than is None else f" older than {older_than}"
-        name = dead.keys.queue
+        name = _queue_name(dead)
         if count == 0:
-            typer.echo(f"no dead letters{which} in queue {name!r}")
+            typer.echo(f"no dead letters{which} in queue {name}")
             return
         if not yes:
-            typer.confirm(f"delete {count} dead letters{which} of queue {name!r}?", abort=True)
+            typer.confirm(f"delete {count} dead letters{which} of queue {name}?", abort=True)
         deleted = dead.purge(cutoff_ms)
-    typer.echo(f"deleted {deleted} dead letters{which} of queue {name!r}")
+    typer.echo(f"deleted {deleted} dead letters{which} of queue {name}")

@@ -47,6 +47,8 @@ PARTITION_TAG = "#"
 # A wait that leaves partitions unwatched (fewer free slots than partitions) lasts this long
 # at most, so that the next read looks at those.
 UNWATCHED_RECHECK_MS = 50
+# How long a stopping worker waits for its waits in flight (each lasts read_block_ms).
+FINISH_READS_S = 15.0
 # A partition whose node failed is left out of reads this long (a failover under way), so
 # that reads of the others go on meanwhile.
 DOWN_RETRY_S = 1.0
@@ -196,8 +198,10 @@ class PartitionedBroker(Broker):
 
     async def read(self, plan: TakePlan, block_ms: int | None) -> Read:
         """Up to ``plan.total`` entries from the partitions (the module's docstring says how
-        they share it); the waits in flight count against the lane bounds too."""
-        plan = plan.less(self._waiting_by_lane())
+        they share it). The waits in flight hold their slots out of the plan already
+        (Worker.free_slots, and so the interactive lane's bound); the batch entries they
+        may bring count against the batch lane's bound here."""
+        plan = plan.less(self._batch_waiting())
         entries = self._harvest()
         if entries:
             return Read(entries, complete=False)
@@ -212,8 +216,15 @@ class PartitionedBroker(Broker):
         return Read(entries, complete=not entries)
 
     async def finish_reads(self) -> list[StreamEntry]:
+        """What the waits in flight bring; a wait that has not ended within
+        FINISH_READS_S (a connection that hangs) is given up: what Redis gave it stays
+        pending, for a reclaim."""
         if self._waits:
-            await asyncio.wait([task for task, _ in self._waits.values()])
+            tasks = [task for task, _ in self._waits.values()]
+            _, late = await asyncio.wait(tasks, timeout=FINISH_READS_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         return self._harvest()
 
     def _rotation(self) -> list[int]:
@@ -264,16 +275,16 @@ class PartitionedBroker(Broker):
         unwatched = len(self._waits) + sum(1 for s in shares if s.total) < len(self.parts)
         wait_ms = min(block_ms, UNWATCHED_RECHECK_MS) if unwatched else block_ms
         for n, share in zip(idle, shares, strict=True):
-            if share.total:
+            if share.total and share.lanes():
                 read = Broker.read(self.parts[n], share, wait_ms)
                 self._waits[n] = (asyncio.ensure_future(read), share)
         return wait_ms
 
-    def _waiting_by_lane(self) -> Counter[Lane]:
-        bounds: Counter[Lane] = Counter()
-        for _, share in self._waits.values():
-            bounds.update(share.lane_bounds())
-        return bounds
+    def _batch_waiting(self) -> dict[Lane, int]:
+        """The most batch entries the waits in flight may bring."""
+        return {
+            "batch": sum(share.lane_bounds().get("batch", 0) for _, share in self._waits.values())
+        }
 
     def _harvest(self) -> list[StreamEntry]:
         """The entries of the waits that have ended. A wait that failed brought nothing:

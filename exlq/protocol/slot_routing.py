@@ -295,7 +295,7 @@ def _base_class(pool: ConnectionPool) -> type[AbstractConnection]:
     return cls.locator.base_class if issubclass(cls, _FollowsSlot) else cls
 
 
-def _slot_ranges(client: SyncRedis) -> list[tuple[int, int, Address]] | None:
+def slot_ranges(client: SyncRedis) -> list[tuple[int, int, Address]] | None:
     """(Synchronous.) ``CLUSTER SLOTS``' masters by range, where ``client``'s node is part
     of a Redis Cluster; None for a single Redis (or where INFO is denied)."""
     try:
@@ -310,7 +310,7 @@ def _slot_ranges(client: SyncRedis) -> list[tuple[int, int, Address]] | None:
 def masters_of(client: SyncRedis) -> list[Address] | None:
     """(Synchronous clients, for one-shot commands.) Every master of the Redis Cluster
     that ``client``'s node belongs to; None for a single Redis (or where INFO is denied)."""
-    ranges = _slot_ranges(client)
+    ranges = slot_ranges(client)
     return None if ranges is None else list(dict.fromkeys(a for _, _, a in ranges))
 
 
@@ -324,7 +324,7 @@ def node_client(client: SyncRedis, address: Address) -> SyncRedis:
 def slot_client(client: SyncRedis, key: str) -> SyncRedis:
     """(Synchronous.) A client of the node serving ``key``'s slot: on a single Redis,
     ``client`` itself; on a cluster, a new one (close it)."""
-    ranges = _slot_ranges(client)
+    ranges = slot_ranges(client)
     if ranges is None:
         return client
     slot = key_slot(key.encode())

@@ -188,3 +188,19 @@ async def _wait_for_count(redis_url: str, queue: str) -> None:
     finally:
         await client.aclose(close_connection_pool=True)
         await seed.aclose(close_connection_pool=True)
+
+
+@pytest.mark.parametrize("slots", [8, 1], ids=["slots-for-every-partition", "one-slot"])
+async def test_an_idle_worker_starts_a_job_in_any_partition_at_once(
+    redis_url: str, queue_name: str, start_worker: Any, slots: int
+) -> None:
+    """An idle worker waits on every partition (or, with fewer slots than partitions, on
+    some at a time, briefly): a job in any of them starts well within the 1 s a wait lasts."""
+    await start_worker(partitions=PARTITIONS, max_batch_size=slots, read_block_ms=1000)
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        for n in range(PARTITIONS):
+            await asyncio.sleep(0.3)  # the worker is waiting again
+            handle = await producer.submit("x", id=next(ids_in(n, 1, "idle")), max_new_tokens=1)
+            result = await handle.result(timeout=10)
+            assert result.timings is not None
+            assert result.timings.queued_s < 0.3, (n, result.timings)
