@@ -44,6 +44,10 @@ from exlq.worker.lanes import TakePlan
 log = logging.getLogger(__name__)
 
 PARTITION_TAG = "#"
+# The most a wait on one partition may bring (the first entry of each lane), and so the
+# slots it holds while in flight: what lands behind that first entry is read at once after
+# it, so a worker's waits keep few of its slots from a reclaim.
+WAIT_ENTRIES = 2
 # A wait that leaves partitions unwatched (fewer free slots than partitions) lasts this long
 # at most, so that the next read looks at those.
 UNWATCHED_RECHECK_MS = 50
@@ -275,6 +279,7 @@ class PartitionedBroker(Broker):
         unwatched = len(self._waits) + sum(1 for s in shares if s.total) < len(self.parts)
         wait_ms = min(block_ms, UNWATCHED_RECHECK_MS) if unwatched else block_ms
         for n, share in zip(idle, shares, strict=True):
+            share = _at_most(share, WAIT_ENTRIES)
             if share.total and share.lanes():
                 read = Broker.read(self.parts[n], share, wait_ms)
                 self._waits[n] = (asyncio.ensure_future(read), share)
@@ -309,6 +314,14 @@ class PartitionedBroker(Broker):
             entry, n = untag(name)
             groups.setdefault(n, []).append((job_id, entry))
         return groups
+
+
+def _at_most(plan: TakePlan, entries: int) -> TakePlan:
+    return TakePlan(
+        min(plan.total, entries),
+        tuple((lane, min(cap, entries)) for lane, cap in plan.steps),
+        plan.held_back,
+    )
 
 
 def _options(base: Broker) -> dict[str, Any]:

@@ -242,9 +242,15 @@ class Worker:
         this worker holds (its renewal came late) is its own already: it is not started
         again."""
         async with self._intake:
-            if self.stop_reading.is_set() or self.free_slots <= 0:
+            room = self.free_slots
+            if room <= 0 and self.broker.reserved_slots and self.jobs.held < self.capacity:
+                # A partitioned queue's waits in flight hold every free slot (a worker with
+                # few slots): a stopped worker's job still gets one, though a wait may then
+                # bring one job more than the worker's capacity, which the engine queues.
+                room = 1
+            if self.stop_reading.is_set() or room <= 0:
                 return
-            entries = await self.broker.reclaim(self.free_slots, self.settings.broker.claim_idle_ms)
+            entries = await self.broker.reclaim(room, self.settings.broker.claim_idle_ms)
             held = {job.entry_id for job in self.jobs.jobs_in(HELD)}
             taken = [entry for entry in entries if entry.entry_id not in held]
             if taken:

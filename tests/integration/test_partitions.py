@@ -16,8 +16,10 @@ from exlq.producer import AsyncProducer, DoneEvent, TokenEvent
 from exlq.protocol.keys import CONSUMER_GROUP, QueueKeys, partition_of
 from exlq.protocol.models import GenerationRequest
 from exlq.protocol.slot_routing import client_like
+from exlq.worker.broker import Broker
 from exlq.worker.engines.echo.engine import echo_text
-from tests.conftest import worker_process
+from exlq.worker.lanes import TakePlan
+from tests.conftest import wait_until, worker_process
 from tests.integration.test_crash_recovery import FAST_RECLAIM, _kill
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster_too]
@@ -204,3 +206,25 @@ async def test_an_idle_worker_starts_a_job_in_any_partition_at_once(
             result = await handle.result(timeout=10)
             assert result.timings is not None
             assert result.timings.queued_s < 0.3, (n, result.timings)
+
+
+async def test_an_idle_worker_with_few_slots_takes_over_a_stopped_workers_entry(
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
+) -> None:
+    """Its waits on the partitions hold every free slot while it is idle: a reclaim still
+    takes over the entry a stopped worker read in partition 2."""
+    await redis_client.set(QueueKeys(queue_name).partitions, PARTITIONS)
+    keys = QueueKeys(queue_name).of_partition(2)
+    stopped = Broker.from_url(redis_url, keys, "stopped-worker", result_ttl_s=60, dead_max_len=10)
+    try:
+        await stopped.ensure_group()
+        async with AsyncProducer(redis_url, queue=queue_name, wait_for_worker=True) as producer:
+            handle = await producer.submit("taken over", id=next(ids_in(2, 1, "stop")))
+            [entry] = (await stopped.read(TakePlan.any_lane(1), None)).entries
+            running = await start_worker(max_batch_size=2, claim_idle_ms=300)
+            await wait_until(lambda: running.worker.broker.reserved_slots == 2)  # both slots
+            result = await handle.result(timeout=20)
+    finally:
+        await stopped.close()
+    assert entry.entry_id
+    assert result.state == "done" and result.text.startswith(" taken over")

@@ -134,9 +134,11 @@ async def test_a_burst_larger_than_a_piece_goes_out_in_pieces_in_order(
         log.append(("submit", 1))
         return await real_submit(self, job_id, request_json)
 
-    async def subscribe_then(self: EventRouter, channels: list[str], command: Any) -> Any:
+    async def subscribe_then(
+        self: EventRouter, channels: list[str], command: Any, then: Any = None
+    ) -> Any:
         log.append(("send", len(channels)))
-        return await real_subscribe_then(self, channels, command)
+        return await real_subscribe_then(self, channels, command, then)
 
     count = 2 * PIECE_JOBS + 44
     async with AsyncProducer(redis_url, queue=queue_name) as producer:
