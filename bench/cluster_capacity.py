@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     token_counts = args.tokens
     with LocalCluster(binary) as cluster:
         for layout in layouts:
-            least = max(len(layout.queues), layout.partitions)
-            for workers in [n for n in args.workers if n >= least]:
+            # Each worker serves one queue, and reads every partition of it.
+            for workers in [n for n in args.workers if n >= len(layout.queues)]:
                 for tokens in token_counts:
                     args.tokens = tokens
                     row = run_case(cluster, layout, workers, args)
