@@ -109,6 +109,13 @@ def start_workers(url: str, layout: Layout, count: int, args: argparse.Namespace
     return processes
 
 
+def stop_workers(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(30)
+
+
 def _ready(url: str, queue: str) -> int:
     """The queue's workers whose heartbeat says ready, read on the queue's master."""
     client = redis.Redis.from_url(url)
@@ -150,10 +157,7 @@ def run_case(cluster: LocalCluster, layout: Layout, workers: int, args: Any) -> 
         wall = asyncio.run(burst(cluster.url, queues, args.jobs, args.tokens))
         spent = {node.port: _since(before[node.port], Counters.read(node)) for node in masters}
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(30)
+        stop_workers(processes)
         cluster.flush()
     tokens = args.jobs * args.tokens
     calls: dict[str, int] = {}

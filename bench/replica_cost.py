@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.cluster_capacity import LAYOUTS, burst, start_workers
+from bench.cluster_capacity import LAYOUTS, burst, start_workers, stop_workers
 from bench.local_cluster import LocalCluster, find_cluster_server
 from exlq.producer import AsyncProducer
 
@@ -65,10 +65,7 @@ def burst_rate(cluster: LocalCluster, how: str, args: argparse.Namespace) -> flo
         asyncio.run(burst(cluster.url, [QUEUE], 32, 4, replicas))  # first-use costs
         wall = asyncio.run(burst(cluster.url, [QUEUE], args.jobs, args.tokens, replicas))
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(30)
+        stop_workers(processes)
         cluster.flush()
     return round(float(args.jobs) / wall, 1)
 
