@@ -526,10 +526,40 @@ class AsyncProducer:
     async def _partition_of(self, job_id: str) -> QueuePartition:
         """The partition job ``job_id`` goes to, by the queue's count (read again after
         PARTITION_COUNT_TTL_S)."""
+        return self._partition(partition_of(job_id, await self._count()))
+
+    async def _count(self) -> int:
         read_at = self._count_read_at
         if read_at is None or time.monotonic() - read_at > PARTITION_COUNT_TTL_S:
             await self._read_partition_count()
-        return self._partition(partition_of(job_id, self._partition_count))
+        return self._partition_count
+
+    async def get_results(self, job_ids: list[str]) -> list[JobResult | None]:
+        """Many jobs' stored results, in ``job_ids``' order: one MGET per partition."""
+        found: dict[str, JobResult | None] = {}
+        for partition, ids in (await self._by_partition(job_ids)).items():
+            raws = await partition.client.mget([partition.keys.result(i) for i in ids])
+            for job_id, raw in zip(ids, raws, strict=True):
+                found[job_id] = None if raw is None else JobResult.model_validate_json(raw)
+        return [found[job_id] for job_id in job_ids]
+
+    async def states_held(self, job_ids: list[str]) -> list[bool]:
+        """Whether Redis holds each job's state, in ``job_ids``' order: one pipeline per
+        partition."""
+        held: dict[str, bool] = {}
+        for partition, ids in (await self._by_partition(job_ids)).items():
+            pipe = partition.client.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.exists(partition.keys.job(job_id))
+            held.update(zip(ids, (bool(n) for n in await pipe.execute()), strict=True))
+        return [held[job_id] for job_id in job_ids]
+
+    async def _by_partition(self, job_ids: list[str]) -> dict[QueuePartition, list[str]]:
+        count = await self._count()
+        groups: dict[QueuePartition, list[str]] = {}
+        for job_id in dict.fromkeys(job_ids):
+            groups.setdefault(self._partition(partition_of(job_id, count)), []).append(job_id)
+        return groups
 
     async def _read_partition_count(self) -> None:
         """The submits that find the count stale share one read of it."""

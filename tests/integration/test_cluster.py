@@ -17,6 +17,13 @@ from exlq.protocol.keys import QueueKeys
 from exlq.protocol.models import GenerationRequest
 from exlq.worker.engines.echo.engine import echo_text
 from tests.gateway_server import start_gateway
+from tests.integration.test_openai_batch_app import (
+    chat_line,
+    file_lines,
+    jsonl,
+    upload,
+    wait_for_status,
+)
 
 pytestmark = pytest.mark.integration
 __all__ = ["start_gateway"]
@@ -128,15 +135,18 @@ async def test_a_failover_under_load_loses_no_job_exlq_was_given(
     assert outcomes["done"] + outcomes["lost_by_redis"] == jobs
 
 
-async def test_the_openai_gateway_serves_chat_and_says_batches_need_a_single_redis(
+async def test_the_openai_gateway_serves_chat_and_batches_on_a_cluster(
     cluster: LocalCluster, start_worker: Any, start_gateway: Any
 ) -> None:
-    from openai import AsyncOpenAI, InternalServerError
+    """Chat on queues of every master; a batch over all of them, its files and batch keys
+    under the Batch API's own hash tag, on one master."""
+    from openai import AsyncOpenAI
 
     queues = queues_on_every_master(cluster, "chat")
     for queue in queues.values():
         await start_worker(redis_url=cluster.url, queue=queue)
     server = start_gateway(redis_url=cluster.url)
+    lines = [chat_line(f"req-{q}", q, f"{q} words", 3) for q in queues.values()]
     async with AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client:
         for queue in queues.values():
             answer = await client.chat.completions.create(
@@ -145,10 +155,21 @@ async def test_the_openai_gateway_serves_chat_and_says_batches_need_a_single_red
             assert answer.choices[0].message.content == " alpha beta"
         listed = await client.models.list()
         assert sorted(m.id for m in listed.data) == sorted(queues.values())
-        with pytest.raises(InternalServerError) as refused:
-            await client.batches.list()
-    assert refused.value.status_code == 501
-    assert "needs a single Redis" in str(refused.value)
+        file_id = await upload(client, jsonl(lines))
+        created = await client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        batch = await wait_for_status(client, created.id, {"completed", "failed"})
+        assert batch.status == "completed", batch.errors
+        output = await file_lines(client, batch.output_file_id)
+        assert [b.id for b in (await client.batches.list()).data] == [created.id]
+    answers = {line["custom_id"]: line["response"]["body"] for line in output}
+    for queue in queues.values():
+        content = answers[f"req-{queue}"]["choices"][0]["message"]["content"]
+        assert content == echo(f"{queue} words", 3)
+    tag = "{openai-batch-api}"
+    index = f"exlq:{tag}:batches"
+    assert cluster.master_of(key_slot(index.encode())).client().zcard(index) == 1
 
 
 async def test_events_go_on_the_queues_shard_and_a_v1_producer_still_hears_its_own(

@@ -29,6 +29,7 @@ def _by_custom_id(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return found
 
 
+@pytest.mark.cluster_too
 async def test_a_chat_batch_completes_with_every_request_answered(
     redis_url: str, queue_name: str, start_worker: Any
 ) -> None:

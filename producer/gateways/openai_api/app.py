@@ -12,7 +12,6 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
@@ -32,7 +31,6 @@ from exlq.producer.gateways.openai_api.jobs import JobRunner
 from exlq.producer.gateways.openai_api.model_check import ModelCheck
 from exlq.producer.gateways.openai_api.producers import ProducerPool
 from exlq.producer.gateways.openai_api.settings import GatewaySettings
-from exlq.protocol.slot_routing import cluster_masters
 
 log = logging.getLogger(__name__)
 # /readyz waits this long for Redis's PONG before it says not ready.
@@ -58,14 +56,10 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
         app.state.pool = pool
         app.state.model_check = ModelCheck(pool)
         app.state.jobs = JobRunner(pool)
-        app.state.batch_off = await _batch_api_off(pool)
+        await pool.place_batch_api()
         try:
-            if app.state.batch_off:
-                log.warning("%s", app.state.batch_off)
+            async with BatchRunner(pool, batch_settings):
                 yield
-            else:
-                async with BatchRunner(pool, batch_settings):
-                    yield
         finally:
             await app.state.jobs.close()
             await pool.close()
@@ -78,36 +72,13 @@ def create_app(settings: GatewaySettings, batch_settings: BatchSettings | None =
     for router in (models_routes.router, completions.router):
         app.include_router(router, dependencies=[Depends(api_keys)])
     for router in (files.router, batches.router):
-        app.include_router(router, dependencies=[Depends(api_keys), Depends(_batch_api_on)])
+        app.include_router(router, dependencies=[Depends(api_keys)])
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/readyz", readyz, methods=["GET"])
     _add_error_handlers(app)
     if settings.max_in_flight:
         app.add_middleware(InFlightLimit, limit=settings.max_in_flight)
     return app
-
-
-async def _batch_api_off(pool: ProducerPool) -> str | None:
-    """Why the Batch API (files, batches) is off here, or None. Its keys live in slots of
-    their own, which one node of a Redis Cluster does not hold; chat and completions, whose
-    keys are each queue's, run on a cluster. A Redis not answering at start is taken for a
-    single one: the batch runner waits for it."""
-    try:
-        masters = await cluster_masters(pool.redis.connection_pool)
-    except (RedisError, OSError):
-        return None
-    if masters is None:
-        return None
-    return (
-        "The Batch API (files and batches) needs a single Redis; this gateway's Redis is a "
-        "Redis Cluster, where chat and completions run but batches do not yet."
-    )
-
-
-def _batch_api_on(request: Request) -> None:
-    off: str | None = getattr(request.app.state, "batch_off", None)
-    if off:
-        raise OpenAIError(501, off, code="batch_api_unavailable")
 
 
 def _add_error_handlers(app: FastAPI) -> None:

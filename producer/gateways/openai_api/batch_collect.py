@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import cast
 
 from pydantic import ValidationError
 from redis.typing import EncodableT, FieldT
 
+from exlq.producer.client import AsyncProducer
 from exlq.producer.gateways.openai_api.batch_lines import (
     failed_line,
     job_id,
@@ -59,28 +59,29 @@ async def collect(work: BatchWork, batch: Batch, *, resubmit_lost: bool) -> int:
 async def _results(
     work: BatchWork, batch: Batch, pending: dict[int, Pending]
 ) -> dict[JobKey, JobResult | None]:
-    """Each pending job's stored result, read queue by queue (a queue's keys share a hash
-    slot, so each MGET is valid on Redis Cluster)."""
+    """Each pending job's stored result, read queue by queue through its producer (one MGET
+    per partition of the queue: a partition's keys share a hash slot of a Redis Cluster)."""
     by_model: dict[str, list[JobKey]] = defaultdict(list)
     for line, entry in pending.items():
         by_model[entry.model] += [(line, choice) for choice in range(entry.jobs)]
     results: dict[JobKey, JobResult | None] = {}
     chunk = work.settings.read_chunk
     for model, jobs in by_model.items():
-        keys = work.pool.keys(model)
+        producer = work.pool.producer(model)
         for start in range(0, len(jobs), chunk):
             part = jobs[start : start + chunk]
-            raws = await work.store.redis.mget([keys.result(job_id(batch.id, *j)) for j in part])
-            for job, raw in zip(part, cast("list[bytes | None]", raws), strict=True):
-                results[job] = _result(raw)
+            try:
+                stored = await producer.get_results([job_id(batch.id, *j) for j in part])
+            except ValidationError:
+                log.warning("a stored result is not a JobResult; read one by one")
+                stored = [await _result(producer, job_id(batch.id, *j)) for j in part]
+            results.update(zip(part, stored, strict=True))
     return results
 
 
-def _result(raw: bytes | None) -> JobResult | None:
-    if raw is None:
-        return None
+async def _result(producer: AsyncProducer, job: str) -> JobResult | None:
     try:
-        return JobResult.model_validate_json(raw)
+        return (await producer.get_results([job]))[0]
     except ValidationError:
         log.warning("a stored result is not a JobResult; the job counts as unfinished")
         return None
@@ -137,14 +138,16 @@ async def _resubmit_lost(
     missing = [job for job, result in results.items() if result is None]
     if not missing:
         return
-    pipe = work.store.redis.pipeline(transaction=False)
+    by_model: dict[str, list[JobKey]] = defaultdict(list)
     for line, choice in missing:
-        pipe.exists(work.pool.keys(pending[line].model).job(job_id(batch.id, line, choice)))
-    held = cast("list[int]", await pipe.execute())
+        by_model[pending[line].model].append((line, choice))
     lost: dict[int, list[int]] = defaultdict(list)
-    for (line, choice), exists in zip(missing, held, strict=True):
-        if not exists:
-            lost[line].append(choice)
+    for model, jobs in by_model.items():
+        ids = [job_id(batch.id, line, choice) for line, choice in jobs]
+        held = await work.pool.producer(model).states_held(ids)
+        for (line, choice), exists in zip(jobs, held, strict=True):
+            if not exists:
+                lost[line].append(choice)
     if not lost:
         return
     log.warning("batch %s: Redis lost %d jobs; submitting them again", batch.id, len(lost))

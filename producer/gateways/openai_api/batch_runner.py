@@ -64,15 +64,15 @@ class BatchRunner:
     ) -> None:
         self.work = BatchWork(
             pool=pool,
-            store=BatchStore(pool.redis, pool.prefix),
-            files=FileStore(pool.redis, pool.prefix),
+            store=BatchStore(pool.batch_redis, pool.batch_prefix),
+            files=FileStore(pool.batch_redis, pool.batch_prefix),
             settings=settings,
             clock=clock,
         )
         # Says which replica holds a lease, for an operator reading Redis.
         self.token = f"{socket.gethostname()}:{secrets.token_hex(6)}"
-        self._lease = pool.redis.register_script(_LEASE_LUA)
-        self._release = pool.redis.register_script(_RELEASE_LUA)
+        self._lease = pool.batch_redis.register_script(_LEASE_LUA)
+        self._release = pool.batch_redis.register_script(_RELEASE_LUA)
         self._held: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()

@@ -37,7 +37,7 @@ class BatchBody(BaseModel):
 
 def batch_store(request: Request) -> BatchStore:
     pool = request.app.state.pool
-    return BatchStore(pool.redis, pool.prefix)
+    return BatchStore(pool.batch_redis, pool.batch_prefix)
 
 
 def _not_found(batch_id: str) -> OpenAIError:

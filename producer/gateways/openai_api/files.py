@@ -26,7 +26,7 @@ _MULTIPART_SLACK_BYTES = 64 * 1024
 
 def file_store(request: Request) -> FileStore:
     pool = request.app.state.pool
-    return FileStore(pool.redis, pool.prefix)
+    return FileStore(pool.batch_redis, pool.batch_prefix)
 
 
 def not_found(file_id: str) -> OpenAIError:

@@ -6,13 +6,18 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from exlq.producer.client import AsyncProducer
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.heartbeat import live_times
 from exlq.protocol.keys import QueueKeys, check_name
 from exlq.protocol.redis_credentials import RedisCredentials
-from exlq.protocol.slot_routing import SlotClients
+from exlq.protocol.slot_routing import SlotClients, cluster_masters
+
+# The hash tag of the Batch API's keys on a Redis Cluster (no queue name has its braces'
+# neighbours; a queue of this name would only share its slot).
+BATCH_API_TAG = "openai-batch-api"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,10 @@ class ProducerPool:
         # Each queue's client: on a Redis Cluster, one reaching the queue's master.
         self.clients = SlotClients(self.redis)
         self.prefix = prefix
+        # The Batch API's client and key prefix (files, batches): on a Redis Cluster, under
+        # one hash tag, so that one master holds them all (place_batch_api).
+        self.batch_redis = self.redis
+        self.batch_prefix = prefix
         self.worker_stale_after_s = worker_stale_after_s
         self.max_backlog = max_backlog
         self._producers: dict[str, AsyncProducer] = {}
@@ -65,6 +74,20 @@ class ProducerPool:
             )
             self._producers[model] = found
         return found
+
+    async def place_batch_api(self) -> None:
+        """On a Redis Cluster, put the Batch API's keys under the hash tag BATCH_API_TAG
+        (``P:{openai-batch-api}:files``, ``...:batch:{id}``, ...): its scripts and MULTIs
+        span a batch, its files and their indexes, which must share a slot. On one Redis
+        the keys keep their names (``P:files``, ``P:batch:{id}``, ...). A Redis not
+        answering at start is taken for a single one."""
+        try:
+            masters = await cluster_masters(self.redis.connection_pool)
+        except (RedisError, OSError):
+            return
+        if masters is not None:
+            self.batch_prefix = f"{self.prefix}:{{{BATCH_API_TAG}}}"
+            self.batch_redis = self.clients.following(f"{self.batch_prefix}:batches")
 
     def keys(self, model: str) -> QueueKeys:
         return QueueKeys(queue=model, prefix=self.prefix)
