@@ -13,11 +13,11 @@ the partitions, starting at the next partition each time, and takes in rounds: w
 partition that had less than its share leaves goes to those that filled theirs. Lane bounds
 (worker/lanes.py) are shared the same way, so no read takes more from a lane than its plan
 allows. Where no partition has an entry, the worker waits on each partition at once (one
-blocking read each, on its own node), with the free slots shared between the waits; the
-first entry ends the read, and the other waits stay in flight, each holding the slots it
-may fill (``reserved_slots``) until it returns. With fewer free slots than partitions, some
-partitions have no wait: the waits then last UNWATCHED_RECHECK_MS, and the next read starts
-at the next partitions.
+blocking read each, on its own node), with the free slots shared between the waits, at
+most WAIT_ENTRIES a wait; the first entry ends the read, and the other waits stay in
+flight, each holding the slots it may fill (``reserved_slots``) until it returns. With
+fewer free slots than partitions, some partitions have no wait: the waits then last
+UNWATCHED_RECHECK_MS, and the next read starts at the next partitions.
 
 An entry of partition n > 0 is named ``<id>#<n>`` (before the lane mark), so that entries of
 two partitions never share a name in the worker.
