@@ -19,7 +19,12 @@ QueueOpt = Annotated[
     str | None, typer.Option("--queue", "-q", help="queue name (default: the model's name)")
 ]
 EngineOpt = Annotated[
-    str | None, typer.Option("--engine", help="engine name (default exllamav2; see exlq engines)")
+    str | None,
+    typer.Option(
+        "--engine",
+        help="engine name (see exlq engines); default auto: EXL2 and Hugging Face directories "
+        "exllamav2, EXL3 exllamav3, a .gguf file transformers",
+    ),
 ]
 Options = Annotated[
     list[str] | None,

@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from exlq.logs import LogFormat
 from exlq.protocol.keys import DEFAULT_PREFIX, check_name
 from exlq.protocol.partition_count import MAX_PARTITIONS
+from exlq.worker.engines.model_format import AUTO, engine_for
 from exlq.worker.engines.registry import EngineSpec, LoadRequest, find
 from exlq.worker.lanes import LanePolicy
 from exlq.worker.limits import RequestLimits
@@ -88,7 +89,11 @@ class ServingSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="EXLQ_", extra="forbid", frozen=True)
 
-    engine: str = Field("exllamav2", description="engine name (`exlq engines` lists them)")
+    engine: str = Field(
+        AUTO,
+        description="engine name (`exlq engines` lists them); auto: the model's format picks "
+        "it (worker/engines/model_format.py)",
+    )
     model: Path | None = Field(None, description="model directory or file")
     max_batch_size: int = Field(32, ge=1, le=1024, description="jobs run at once")
     engine_runner: EngineRunnerChoice = Field(
@@ -152,6 +157,8 @@ class WorkerSettings:
             limits = RequestLimits(**groups["limits"])
         except ValidationError as exc:
             raise ValueError(_problems(exc)) from None
+        if serving.engine == AUTO:
+            serving = serving.model_copy(update={"engine": engine_for(serving.model)})
         spec = find(serving.engine)
         settings = cls(broker, serving, limits, spec.options(engine_options or {}))
         settings.check(spec)

@@ -65,6 +65,7 @@ def test_unreachable_redis_fails_fast_with_a_clear_message(queue_name: str) -> N
 def test_exllamav2_engine_without_cuda_says_so(
     redis_url: str, queue_name: str, tmp_path: Any
 ) -> None:
+    (tmp_path / "config.json").write_text("{}")  # Hugging Face weights: exllamav2 serves them
     process = worker_process(redis_url, queue_name, "--model", str(tmp_path))
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 2, output

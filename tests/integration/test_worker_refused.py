@@ -58,8 +58,9 @@ def test_a_user_refused_the_queue_stops_the_worker_before_its_engine_loads(
     acl_user: UserFactory, queue_name: str, tmp_path: Path
 ) -> None:
     url = acl_user(_every_command_on("another"))
-    # The default engine with a model folder: a refusal after the load would say it found
-    # no GPU (or torch) instead.
+    # The default engine with a model folder (Hugging Face weights: exllamav2): a refusal
+    # after the load would say it found no GPU (or torch) instead.
+    (tmp_path / "config.json").write_text("{}")
     process = worker_process(url, queue_name, "--model", str(tmp_path))
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 2, output

@@ -15,8 +15,11 @@ from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
 
 
 def _model_dir(tmp_path: Path) -> Path:
+    """A Hugging Face model directory, as far as the settings look: --engine auto gives it
+    exllamav2."""
     model = tmp_path / "Llama-3-8B"
     model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     return model
 
 
