@@ -164,7 +164,9 @@ async def start_worker(redis_url: str, queue_name: str) -> AsyncIterator[Callabl
         if not running.task.done():
             with contextlib.suppress(Exception):
                 await running.shutdown()
-        await broker.close()
+        await running.worker.broker.close()  # with the partitions it took on since
+        if running.worker.broker is not broker:
+            await broker.close()
 
 
 async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

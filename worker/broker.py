@@ -99,6 +99,8 @@ class Broker:
         self.groups_recreated = 0
         # Redis has SPUBLISH (found at start): else a request of wire version 2 is refused.
         self.sharded_pubsub = True
+        # The brokers of the queue's partitions, this one first (worker/partitions.py).
+        self.parts: list[Broker] = [self]
         # The lanes' streams, in LANES order: the take script's KEYS.
         self.streams = [keys.lane_jobs(lane) for lane in LANES]
         self._start = client.register_script(START_MANY_LUA)

@@ -218,6 +218,8 @@ async def _serve_with(settings: WorkerSettings, engine: EngineRunner, broker: Br
         raise StartupError(permission_refused(user, broker.keys, str(exc))) from None
     finally:
         http.stop()
+        if worker.broker is not broker:  # partitions joined while it served
+            await worker.broker.close()
 
 
 def _on_signal(stop: asyncio.Event, signum: int) -> None:

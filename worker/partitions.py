@@ -35,7 +35,7 @@ from typing import Any
 
 from exlq.protocol.command_packing import pack_in_c
 from exlq.protocol.keys import LANE_MARK, Lane, QueueKeys
-from exlq.protocol.partition_count import raise_count
+from exlq.protocol.partition_count import parse_count, raise_count
 from exlq.protocol.slot_routing import client_like
 from exlq.worker.broker import Broker, Read, StartDecision, StreamEntry
 from exlq.worker.commit_batch import Batch
@@ -70,6 +70,23 @@ async def with_partitions(broker: Broker, wanted: int) -> Broker:
     return PartitionedBroker.around(broker, count)
 
 
+async def follow_count(broker: Broker) -> Broker:
+    """The broker of every partition the queue has now: where the count was raised since
+    ``broker`` was made (another worker started with a higher EXLQ_PARTITIONS), the new
+    partitions join, their consumer groups made; else ``broker`` as it is."""
+    count = parse_count(await broker.client.get(broker.keys.partitions))
+    if count <= len(broker.parts):
+        return broker
+    log.info("queue %r now has %d partitions; reading them all", broker.keys.queue, count)
+    if isinstance(broker, PartitionedBroker):
+        await broker.grow(count)
+        return broker
+    grown = PartitionedBroker.around(broker, count)
+    await grown.ensure_group()
+    await grown.find_sharded_pubsub()
+    return grown
+
+
 def tag(entry_ref: str, partition: int) -> str:
     """The name of an entry of ``partition`` in the worker."""
     if not partition:
@@ -91,7 +108,7 @@ class PartitionedBroker(Broker):
 
     def __init__(self, *args: Any, others: Sequence[Broker], **options: Any) -> None:
         super().__init__(*args, **options)
-        self.parts: list[Broker] = [self, *others]
+        self.parts = [self, *others]
         self._turn = 0
         self._waits: dict[int, tuple[asyncio.Task[Read], TakePlan]] = {}
         self._down_until: dict[int, float] = {}
@@ -100,13 +117,16 @@ class PartitionedBroker(Broker):
     def around(cls, base: Broker, partitions: int) -> PartitionedBroker:
         """``base``'s queue split in ``partitions``: its client serves partition 0, and each
         other partition gets a client like it, reaching that partition's node."""
-        others = []
-        for n in range(1, partitions):
-            keys = base.keys.of_partition(n)
-            client = client_like(base.client, keys.jobs)
-            pack_in_c(client.connection_pool)
-            others.append(Broker(client, keys, base.consumer, **_options(base)))
+        others = [_partition_broker(base, n) for n in range(1, partitions)]
         return cls(base.client, base.keys, base.consumer, others=others, **_options(base))
+
+    async def grow(self, partitions: int) -> None:
+        """Read ``partitions`` partitions from now on: the new ones join, groups made."""
+        added = [_partition_broker(self, n) for n in range(len(self.parts), partitions)]
+        await _each(Broker.ensure_group(part) for part in added)
+        await _each(Broker.find_sharded_pubsub(part) for part in added)
+        self.parts += added
+        self.sharded_pubsub = all(part.sharded_pubsub for part in self.parts)
 
     # -- the partitions as one -------------------------------------------------------------
 
@@ -322,6 +342,15 @@ def _at_most(plan: TakePlan, entries: int) -> TakePlan:
         tuple((lane, min(cap, entries)) for lane, cap in plan.steps),
         plan.held_back,
     )
+
+
+def _partition_broker(base: Broker, partition: int) -> Broker:
+    """A broker of ``base``'s queue's partition, on a client like ``base``'s reaching its
+    slot's node."""
+    keys = base.keys.of_partition(partition)
+    client = client_like(base.client, keys.jobs)
+    pack_in_c(client.connection_pool)
+    return Broker(client, keys, base.consumer, **_options(base))
 
 
 def _options(base: Broker) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from exlq.protocol.models import FinishReason
 from exlq.worker.broker import Broker
 from exlq.worker.engine_loop import EngineRunner
 from exlq.worker.job_state import HELD, LOST, RUNNING, JobBook
+from exlq.worker.partitions import follow_count
 from exlq.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Upkeep:
             _Every(max(settings.claim_idle_ms / 1000 / 2, TICK_S), worker.reclaim),
             _Every(CANCEL_POLL_S, self.poll_cancels),
             _Every(settings.heartbeat_seconds, self.heartbeat),
+            _Every(settings.heartbeat_seconds, self.follow_partitions),
             _Every(settings.trim_interval_seconds, self.trim),
         ]
 
@@ -157,6 +159,10 @@ class Upkeep:
         # Clocks drift: the offset times jobs from their entry ids, and bounds the lease of
         # the worker's claims in Redis time (runner.Worker._lease_until_ms).
         worker.clock_offset_s = await worker.broker.clock_offset_s()
+
+    async def follow_partitions(self) -> None:
+        """Read the partitions another worker's higher EXLQ_PARTITIONS added."""
+        self.worker.broker = await follow_count(self.worker.broker)
 
     async def trim(self) -> None:
         """Bounded memory: drop entries every group has finished, and consumers long gone."""

@@ -138,14 +138,24 @@ async def test_a_worker_with_one_slot_reads_the_partitions_in_turn(
 
 
 async def test_a_worker_reads_as_many_partitions_as_the_queue_has(
-    queue_name: str, start_worker: Any, redis_client: aioredis.Redis
+    redis_url: str, queue_name: str, start_worker: Any, redis_client: aioredis.Redis
 ) -> None:
-    small = await start_worker(partitions=2)
-    large = await start_worker(partitions=PARTITIONS)
+    """The count is raised, never lowered; a worker started before a raise reads the new
+    partitions from its next heartbeat on, and serves their jobs."""
+    first = await start_worker(heartbeat_seconds=0.2)  # the queue of one partition
+    assert len(first.worker.broker.parts) == 1
+    await start_worker(partitions=2, heartbeat_seconds=0.2)
+    larger = await start_worker(partitions=PARTITIONS, heartbeat_seconds=0.2)
     late = await start_worker()  # EXLQ_PARTITIONS left at 1: never lowers the count
     assert await redis_client.get(QueueKeys(queue_name).partitions) == b"4"
-    assert len(small.worker.broker.parts) == 2  # started before the count was raised
-    assert len(large.worker.broker.parts) == len(late.worker.broker.parts) == PARTITIONS
+    assert len(larger.worker.broker.parts) == len(late.worker.broker.parts) == PARTITIONS
+    await wait_until(lambda: len(first.worker.broker.parts) == PARTITIONS, 5.0)
+    await larger.shutdown()
+    await late.shutdown()
+    async with AsyncProducer(redis_url, queue=queue_name) as producer:
+        handles = [await producer.submit("x", id=i, max_new_tokens=2) for i in ids_in(3, 3, "g")]
+        results = [await handle.result(timeout=20) for handle in handles]
+    assert [r.state for r in results] == ["done"] * 3
 
 
 async def test_a_killed_workers_jobs_finish_on_another_in_every_partition(
