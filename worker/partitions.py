@@ -182,6 +182,10 @@ class PartitionedBroker(Broker):
         """Each partition's share of the batch, written in its own call (in order within a
         partition, so a job's events stay in order); sent again, each share sends again
         only what its partition has not answered (Broker.commit)."""
+        if batch.parts is None and batch.name is not None:
+            # Sent before the queue grew, by the plain broker this one took over from: sent
+            # again the same way, so that its answered calls send nothing twice.
+            return await Broker.commit(self, batch, whole)
         if batch.parts is None:
             batch.parts = _split_batch(batch)
         shares = list(batch.parts.items())

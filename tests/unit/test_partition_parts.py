@@ -3,15 +3,19 @@ names entries of several partitions, how a read's plan is shared, how a batch is
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 
 from exlq.protocol.keys import QueueKeys, entry_ref, partition_of, split_entry_ref
 from exlq.protocol.partition_count import parse_count
+from exlq.worker.broker import Broker
 from exlq.worker.commit_batch import Batch, Final
 from exlq.worker.lanes import LanePolicy, TakePlan
-from exlq.worker.partitions import _split_batch, tag, untag
+from exlq.worker.partitions import PartitionedBroker, _split_batch, tag, untag
 
 
 def test_an_id_picks_its_partition_by_the_standard_crc32() -> None:
@@ -86,3 +90,29 @@ def test_a_hand_written_count_that_is_not_one_reads_as_one() -> None:
     assert parse_count(None) == 1
     assert parse_count(b"4") == 4
     assert parse_count(b"0") == parse_count(b"many") == parse_count(b"100000") == 1
+
+
+async def test_a_batch_sent_before_the_queue_grew_is_sent_again_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker whose queue grew while a batch's reply was lost sends that batch again as
+    it first went (its answered calls send nothing twice); a new batch goes in shares."""
+    sent: list[tuple[Broker, Batch]] = []
+
+    async def commit(self: Broker, batch: Batch, whole: Batch | None = None) -> list[Any]:
+        sent.append((self, batch))
+        return []
+
+    monkeypatch.setattr(Broker, "commit", commit)
+    client = aioredis.Redis()  # never connects here
+    plain = Broker(client, QueueKeys("q"), "w", result_ttl_s=1, dead_max_len=1)
+    grown = PartitionedBroker.around(plain, 2)
+    before = Batch(name="first:7")
+    before.publish("c", "e", "1-0")
+    await grown.commit(before)
+    assert sent == [(grown, before)]
+    after = Batch()
+    after.publish("c", "e", tag("2-0", 1))
+    await grown.commit(after)
+    assert after.parts is not None and sent[-1] == (grown.parts[1], after.parts[1])
+    await grown.close()
