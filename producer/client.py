@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -49,6 +49,7 @@ from exlq.protocol.redis_credentials import RedisCredentials
 from exlq.protocol.slot_routing import client_like, follow_slot
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_STATE_TTL_S = 24 * 3600
 # While a stream is quiet this long, look at the stored result in case the end of the job
@@ -593,26 +594,24 @@ class AsyncProducer:
         return [first, *(p for p in rest if p is not first)]
 
     async def get_result(self, job_id: str) -> JobResult | None:
-        for partition in await self._partitions_for(job_id):
-            found = await partition.get_result(job_id)
-            if found is not None:
-                return found
-        return None
+        return await self._first_found(job_id, QueuePartition.get_result)
 
     async def status(self, job_id: str) -> JobStatus | None:
-        for partition in await self._partitions_for(job_id):
-            found = await partition.status(job_id)
-            if found is not None:
-                return found
-        return None
+        return await self._first_found(job_id, QueuePartition.status)
 
     async def cancel(self, job_id: str) -> str:
         """Ask for the job to stop. Returns the state it had ('' if unknown)."""
+        return await self._first_found(job_id, QueuePartition.cancel) or ""
+
+    async def _first_found(
+        self, job_id: str, ask: Callable[[QueuePartition, str], Awaitable[T]]
+    ) -> T | None:
+        """The first answer (not None, not empty) of the partitions _partitions_for names."""
         for partition in await self._partitions_for(job_id):
-            state = await partition.cancel(job_id)
-            if state:
-                return state
-        return ""
+            found = await ask(partition, job_id)
+            if found:
+                return found
+        return None
 
 
 def _with_packed_ids(fields: dict[str, Any]) -> dict[str, Any]:
