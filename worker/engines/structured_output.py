@@ -1,6 +1,6 @@
-"""Structured output for the engines that constrain it (transformers, exllamav2): a request's
-OutputConstraint compiled into a per-job token constraint (llguidance), the masks of a step's
-constrained jobs filled together, and a mask applied to a batch's logits.
+"""Structured output for the engines that constrain it (transformers, exllamav2, exllamav3):
+a request's OutputConstraint compiled into a per-job token constraint (llguidance), the masks
+of a step's constrained jobs filled together, and a mask applied to a batch's logits.
 
 llguidance's Rust core computes a job's mask from its grammar's state, with no per-schema
 step that blocks the engine; full JSON Schema, regular expressions and Lark grammars. It and
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +41,8 @@ COMPILED_GRAMMARS = 64
 # allowed any whitespace can fill max_new_tokens with newlines and never close the object.
 # A schema's own "x-guidance" member overrides these (llguidance's compile options), e.g.
 # {"x-guidance": {"whitespace_flexible": true}} or {"x-guidance": {"lenient": true}}.
+log = logging.getLogger(__name__)
+
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 ANY_OBJECT = '{"type": "object"}'
 
@@ -69,6 +73,11 @@ class TokenConstraint:
         """Advance past the job's new token; False if the grammar does not allow it (then
         ``error`` says why, and the constraint allows nothing more)."""
         return bool(self._matcher.consume_token(token_id))
+
+    def rollback(self, tokens: int) -> bool:
+        """Take back the last ``tokens`` accepted tokens (an engine that rewinds a job's
+        output, for a banned string); False if the grammar state cannot go back so far."""
+        return bool(self._matcher.rollback(tokens))
 
     @property
     def finished(self) -> bool:
@@ -177,6 +186,41 @@ class GrammarCompiler:
         if not isinstance(json.loads(source), dict):
             raise ValueError("a JSON Schema here is an object")
         return str(matcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS))
+
+
+def model_grammar_compiler(
+    model: Path, tokenizer: Any, vocab_size: int, eos_ids: list[int]
+) -> GrammarCompiler | None:
+    """The compiler of the requests' grammars for this model's tokenizer.json; None (and
+    structured output refused) without llguidance or that file."""
+    tokenizer_json = model / "tokenizer.json"
+    if importlib.util.find_spec("llguidance") is None or not tokenizer_json.exists():
+        log.info("structured output off: needs llguidance and the model's tokenizer.json")
+        return None
+    compiler = GrammarCompiler.from_tokenizer_json(tokenizer_json, vocab_size, eos_ids)
+    return compiler if reads_alike(compiler, tokenizer) else None
+
+
+# Text whose tokens a grammar library must read back byte for byte: quotes, braces, spaces,
+# a newline and a tab, digits and a character outside ASCII.
+PROBE_TEXT = '{"name": "Zoë", "list": [1, 2]}\n\t x'
+
+
+def reads_alike(compiler: GrammarCompiler, tokenizer: Any) -> bool:
+    """Whether llguidance reads the model's tokens as the model's tokenizer writes them. A
+    tokenizer.json it misreads (a byte-level vocabulary taken for literal text, say) would
+    let a mask allow what the grammar forbids; structured output is then refused."""
+    ids = tokenizer.encode(PROBE_TEXT, add_bos=False, encode_special_tokens=False)[0].tolist()
+    read = compiler.decode_bytes(ids)
+    if read != PROBE_TEXT.encode():
+        log.warning(
+            "structured output off: llguidance reads this model's tokenizer.json otherwise "
+            "than its tokenizer (%r for %r)",
+            read[:60],
+            PROBE_TEXT,
+        )
+        return False
+    return True
 
 
 def readable_tokenizer_json(text: str) -> str:

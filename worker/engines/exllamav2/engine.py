@@ -43,10 +43,10 @@ from exlq.worker.engines.exllamav2.build_queue import Accepted, BuildQueue, room
 from exlq.worker.engines.exllamav2.placement import Drafting, Placement, where_loaded
 from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
 from exlq.worker.engines.registry import LoadRequest
+from exlq.worker.engines.structured_output import model_grammar_compiler
 
 if TYPE_CHECKING:
     from exlq.worker.engines.exllamav2.graphs import DecodeGraphs
-    from exlq.worker.engines.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -81,45 +81,6 @@ def load_exllamav2_engine(request: LoadRequest) -> ExLlamaV2Engine:
         return ExLlamaV2Engine(model, request.max_batch_size, options, attention)
     except (OSError, ValueError, AssertionError) as exc:
         raise EngineUnavailable(f"cannot load the model from {model}: {exc}") from exc
-
-
-def grammar_compiler(
-    model: Path, tokenizer: Any, vocab_size: int, eos_ids: list[int]
-) -> GrammarCompiler | None:
-    """The compiler of the requests' grammars for this model's tokenizer.json; None (and
-    structured output refused) without llguidance or that file."""
-    import importlib.util
-
-    from exlq.worker.engines.structured_output import GrammarCompiler
-
-    tokenizer_json = model / "tokenizer.json"
-    if importlib.util.find_spec("llguidance") is None or not tokenizer_json.exists():
-        log.info("structured output off: needs llguidance and the model's tokenizer.json")
-        return None
-    compiler = GrammarCompiler.from_tokenizer_json(tokenizer_json, vocab_size, eos_ids)
-    return compiler if reads_alike(compiler, tokenizer) else None
-
-
-# Text whose tokens a grammar library must read back byte for byte: quotes, braces, spaces,
-# a newline and a tab, digits and a character outside ASCII.
-PROBE_TEXT = '{"name": "Zoë", "list": [1, 2]}\n\t x'
-
-
-def reads_alike(compiler: GrammarCompiler, tokenizer: Any) -> bool:
-    """Whether llguidance reads the model's tokens as the model's tokenizer writes them. A
-    tokenizer.json it misreads (a byte-level vocabulary taken for literal text, say) would
-    let a mask allow what the grammar forbids; structured output is then refused."""
-    ids = tokenizer.encode(PROBE_TEXT, add_bos=False, encode_special_tokens=False)[0].tolist()
-    read = compiler.decode_bytes(ids)
-    if read != PROBE_TEXT.encode():
-        log.warning(
-            "structured output off: llguidance reads this model's tokenizer.json otherwise "
-            "than its tokenizer (%r for %r)",
-            read[:60],
-            PROBE_TEXT,
-        )
-        return False
-    return True
 
 
 @dataclass
@@ -239,7 +200,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         # model's end-of-turn token may be only there).
         eos = {self.tokenizer.eos_token_id} - {None}
         self._eos_ids: list[int] = sorted(eos | generation_eos_ids(model))
-        self.grammars = grammar_compiler(
+        self.grammars = model_grammar_compiler(
             model, self.tokenizer, self.model.config.vocab_size, self._eos_ids
         )
         self._pieces: list[str] | None = None

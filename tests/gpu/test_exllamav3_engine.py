@@ -1,0 +1,99 @@
+"""exlq's exllamav3 engine against exllamav3's own generator on a real model (SmolLM2-135M):
+the same prompts, greedy, give the same text and token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exlq.protocol.models import GenerationRequest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+PROMPTS = [
+    "The lighthouse keeper looked at the sea and",
+    "A list of the planets of the solar system:",
+    "def fibonacci(n):",
+    "Paris is the capital of",
+]
+NEW_TOKENS = 48
+
+
+def own_generator_texts(model_dir: Path) -> dict[int, tuple[str, list[int]]]:
+    """exllamav3's own Generator, as its examples drive it: greedy, stopping at EOS."""
+    from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
+
+    config = Config.from_directory(str(model_dir))
+    model = Model.from_config(config)
+    cache = Cache(model, max_num_tokens=16_384)
+    model.load()
+    tokenizer = Tokenizer.from_config(config)
+    generator = Generator(model, cache, tokenizer, max_batch_size=16)
+    texts: dict[int, tuple[str, list[int]]] = {n: ("", []) for n in range(len(PROMPTS))}
+    for n, prompt in enumerate(PROMPTS):
+        generator.enqueue(
+            Job(
+                input_ids=tokenizer.encode(prompt, add_bos=True),
+                max_new_tokens=NEW_TOKENS,
+                sampler=ArgmaxSampler(),
+                stop_conditions=[tokenizer.eos_token_id],
+                identifier=n,
+            )
+        )
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result["stage"] != "streaming":
+                continue
+            text, ids = texts[result["identifier"]]
+            ids_tensor = result.get("token_ids")
+            texts[result["identifier"]] = (
+                text + result.get("text", ""),
+                ids + (ids_tensor.view(-1).tolist() if ids_tensor is not None else []),
+            )
+    generator.close()
+    model.unload()
+    return texts
+
+
+def test_greedy_text_equals_exllamav3s_own_generator(smollm2: tuple[Path, Any, Any]) -> None:
+    pytest.importorskip("exllamav3")
+    from exlq.worker.engines import build_engine
+    from exlq.worker.engines.base import JobEnded, TokenChunk
+    from exlq.worker.settings import WorkerSettings
+
+    model_dir = smollm2[0]
+    own = own_generator_texts(model_dir)
+    settings = WorkerSettings.load(
+        {"cache_tokens": 16_384}, engine="exllamav3", model=model_dir, max_batch_size=16
+    )
+    engine = build_engine("exllamav3", settings.load_request())
+    try:
+        for n, prompt in enumerate(PROMPTS):
+            engine.add(
+                str(n),
+                GenerationRequest(
+                    prompt=prompt, max_new_tokens=NEW_TOKENS, sampling={"temperature": 0.0}
+                ),
+            )
+        got: dict[int, tuple[str, list[int]]] = {n: ("", []) for n in range(len(PROMPTS))}
+        ended = 0
+        while ended < len(PROMPTS):
+            for out in engine.step():
+                if isinstance(out, TokenChunk):
+                    text, ids = got[int(out.job_id)]
+                    got[int(out.job_id)] = (text + out.text, ids + out.token_ids)
+                elif isinstance(out, JobEnded):
+                    ended += 1
+    finally:
+        engine.close()
+    for n in range(len(PROMPTS)):
+        print(f"\n{PROMPTS[n]!r}: {got[n][0]!r}")
+    assert got == own
+    assert all(len(ids) > 8 for _, ids in got.values())

@@ -1,0 +1,331 @@
+"""ExLlamaV3Engine: the only module the worker calls that drives exllamav3's generator.
+
+exllamav3's Generator batches continuously: jobs join between iterations, each prompt is
+prefilled in chunks, pages of the KV cache are shared between jobs whose prompts begin
+alike (prefix reuse, counted in each job's cached tokens), and the decode step replays
+CUDA graphs. exlq drives its synchronous API from the engine thread, not its
+AsyncGenerator (which iterates on the event loop), and turns its result dicts into typed
+outputs here, so nothing else sees them:
+
+- a request becomes one exllamav3 Job: its prompt encoded (chat messages through the
+  model's template), its stops (the end-of-text tokens unless ignore_eos), banned strings,
+  seed (one drawn here where the request has none), sampler (sampling.py), its grammar as a
+  filter (constraint_filter.py) and, with logprobs, the model's own probabilities;
+- a step is one iterate(): each job's new text and token ids, and its end.
+"""
+
+from __future__ import annotations
+
+import array
+import importlib.util
+import logging
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exlq.protocol.models import FinishReason, InvalidRequest, TokenChoices, TokenLogprob
+from exlq.worker.engines.base import (
+    CacheUsage,
+    Engine,
+    EngineDead,
+    EngineOutput,
+    EngineUnavailable,
+    JobEnded,
+    JobErrored,
+    TokenChunk,
+    describe_error,
+)
+from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
+from exlq.worker.engines.engine_request import EngineRequest, pack_ids
+from exlq.worker.engines.exllamav3.sampling import sampler_for
+from exlq.worker.engines.exllamav3.settings import ExLlamaV3Settings
+from exlq.worker.engines.registry import LoadRequest
+from exlq.worker.engines.structured_output import model_grammar_compiler
+
+log = logging.getLogger(__name__)
+
+# JSON has no -inf: a token the model rules out gets log(1e-30), as exlq's other engines.
+MIN_LOGPROB = math.log(1e-30)
+
+
+def load_exllamav3_engine(request: LoadRequest) -> ExLlamaV3Engine:
+    model = request.model
+    options = request.options
+    assert model is not None and isinstance(options, ExLlamaV3Settings)
+    if importlib.util.find_spec("exllamav3") is None or importlib.util.find_spec("torch") is None:
+        raise EngineUnavailable(
+            "the exllamav3 engine needs exllamav3 and torch: pip install 'exlq[exllamav3]' "
+            "(exllamav3 compiles its CUDA extension at first import), or run --engine echo "
+            "to test without a GPU"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineUnavailable(
+            "the exllamav3 engine needs an NVIDIA GPU with CUDA, and torch sees none "
+            "(torch.cuda.is_available() is False); run --engine echo to test without a GPU"
+        )
+    if not (model / "config.json").exists():
+        raise EngineUnavailable(f"{model} has no config.json: is it a model directory?")
+    try:
+        return ExLlamaV3Engine(model, request.max_batch_size, options)
+    except ImportError as exc:
+        raise EngineUnavailable(f"the exllamav3 engine cannot be imported here: {exc}") from exc
+    except (OSError, ValueError, AssertionError, KeyError) as exc:
+        raise EngineUnavailable(f"cannot load the model from {model}: {exc}") from exc
+
+
+@dataclass(slots=True)
+class _Job:
+    job: Any  # exllamav3.Job
+    prompt_tokens: int
+
+
+class ExLlamaV3Engine(Engine):
+    name = "exllamav3"
+
+    def __init__(self, model_dir: Path, capacity: int, settings: ExLlamaV3Settings) -> None:
+        import exllamav3
+        import numpy
+        import torch
+        from exllamav3 import Cache, Config, Generator, Model, Tokenizer
+
+        self._torch = torch
+        self._numpy = numpy
+        self.capacity = capacity
+        self.version = str(getattr(exllamav3, "__version__", "unknown"))
+        config = Config.from_directory(str(model_dir))
+        self.model = Model.from_config(config)
+        # The cache is made before the weights load: exllamav3 places both at load.
+        self.cache = Cache(self.model, max_num_tokens=settings.cache_tokens)
+        self.model.load()
+        self.tokenizer = Tokenizer.from_config(config)
+        self.generator = Generator(
+            self.model,
+            self.cache,
+            self.tokenizer,
+            max_batch_size=capacity,
+            max_chunk_size=settings.max_chunk_size,
+        )
+        self.vocab_size = int(config.vocab_size)
+        self.cache_tokens = settings.cache_tokens
+        self.max_seq_len = min(int(config.max_position_embeddings), settings.cache_tokens)
+        self.chat = ChatFormatter(
+            model_dir, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
+        )
+        # The end-of-text tokens: the tokenizer's and the generation config's (a chat
+        # model's end-of-turn token may be only there).
+        eos = {self.tokenizer.eos_token_id} - {None}
+        eos |= set(getattr(config, "eos_token_id_list", None) or ())
+        self._eos_ids: list[int] = sorted(eos | generation_eos_ids(model_dir))
+        self.grammars = model_grammar_compiler(
+            model_dir, self.tokenizer, self.vocab_size, self._eos_ids
+        )
+        self._pieces: list[str] | None = None
+        self._jobs: dict[str, _Job] = {}
+        # Seeds for jobs that bring none: independent streams, not secrets.
+        self._seeds = random.Random()
+        log.info(
+            "exllamav3 %s ready: %s, cache %d tokens, capacity %d, %d tokens a job, "
+            "structured output %s",
+            self.version,
+            model_dir.name,
+            settings.cache_tokens,
+            capacity,
+            self.max_seq_len,
+            "on" if self.grammars is not None else "off",
+        )
+
+    def info(self) -> dict[str, str]:
+        return {
+            "exllamav3": self.version,
+            "cache_tokens": str(self.cache_tokens),
+            "structured_output": "on" if self.grammars is not None else "off",
+        }
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def add(self, job_id: str, request: EngineRequest) -> None:
+        from exllamav3 import Job
+
+        input_ids = self._encode(request)
+        prompt_tokens = int(input_ids.shape[-1])
+        if prompt_tokens + request.max_new_tokens > self.max_seq_len:
+            raise InvalidRequest(
+                f"prompt ({prompt_tokens} tokens) plus max_new_tokens "
+                f"({request.max_new_tokens}) exceeds the {self.max_seq_len} tokens this worker "
+                "can hold for one job: shorten the prompt or lower max_new_tokens"
+            )
+        sampler = sampler_for(request.sampling)
+        filters = self._filters(request)
+        stops: list[int | str] = [*request.stop, *request.stop_token_ids]
+        if not request.ignore_eos or filters:
+            stops += self._eos_ids  # a grammar allows the end only where its output is whole
+        seed = request.sampling.seed
+        job = Job(
+            input_ids=input_ids,
+            max_new_tokens=request.max_new_tokens,
+            sampler=sampler,
+            seed=self._seeds.getrandbits(63) if seed is None else seed,
+            stop_conditions=stops,
+            banned_strings=list(request.banned_strings) or None,
+            # The model's own probabilities of the likeliest tokens and of the chosen one,
+            # before the sampler's temperature, truncation and mask.
+            return_top_tokens=request.logprobs,
+            return_probs=bool(request.logprobs),
+            filters=filters,
+            identifier=job_id,
+        )
+        self.generator.enqueue(job)
+        self._jobs[job_id] = _Job(job, prompt_tokens)
+
+    def _filters(self, request: EngineRequest) -> list[Any] | None:
+        """The request's grammar as exllamav3 filters (InvalidRequest if it cannot be
+        compiled, or this worker cannot constrain output), or None."""
+        if request.constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest(
+                f"{request.constraint.field}: this worker cannot constrain output "
+                "(llguidance is not installed, or the model has no tokenizer.json it reads "
+                "as the model does)"
+            )
+        constraint = self.grammars.compile(request)
+        assert constraint is not None
+        from exlq.worker.engines.exllamav3.constraint_filter import ConstraintFilter
+
+        return [ConstraintFilter(self.tokenizer, constraint, self.vocab_size)]
+
+    def _encode(self, request: EngineRequest) -> Any:
+        """The prompt as exllamav3 takes it: int64 ids on the CPU, shape (1, tokens)."""
+        if request.prompt_ids is not None:
+            packed = pack_ids(request.prompt_ids)
+            ids = (
+                self._numpy.frombuffer(packed, dtype=self._numpy.uint32)
+                if isinstance(packed, array.array)
+                else None  # an id past 32 bits
+            )
+            if ids is None or not len(ids) or ids.max() >= self.vocab_size:
+                raise InvalidRequest(
+                    "the prompt's token ids (input_ids or input_ids_b64) hold an id outside "
+                    f"the vocabulary (0..{self.vocab_size - 1})"
+                )
+            return self._torch.from_numpy(ids.astype(self._numpy.int64).reshape(1, -1))
+        if request.messages is not None:
+            # The template writes the special tokens (a BOS where the model wants one).
+            text = self.chat.render(request.messages)
+            return self.tokenizer.encode(text, add_bos=False, encode_special_tokens=True)
+        return self.tokenizer.encode(request.prompt or "", add_bos=True)
+
+    def cancel(self, job_id: str) -> JobEnded | None:
+        entry = self._jobs.pop(job_id, None)
+        if entry is None:
+            return None
+        self.generator.cancel(entry.job)
+        completed = max(int(entry.job.new_tokens), 0)
+        return JobEnded(job_id, "cancelled", entry.prompt_tokens, completed)
+
+    # -- a step -------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        for result in self.generator.iterate():
+            stage = result["stage"]
+            if stage == "streaming":
+                self._add_outputs(result, outputs)
+            elif stage == "error":  # exllamav3 failed this job alone and dropped it
+                job_id = str(result["job"].identifier)
+                self._jobs.pop(job_id, None)
+                outputs.append(JobErrored(job_id, "engine_error", describe_error(result["error"])))
+        return outputs
+
+    def _add_outputs(self, result: dict[str, Any], outputs: list[EngineOutput]) -> None:
+        """Append what one of exllamav3's results says to ``outputs`` (every job, every step)."""
+        job_id = str(result["identifier"])
+        text: str = result.get("text", "")
+        ids = result.get("token_ids")
+        token_ids: list[int] = ids.view(-1).tolist() if ids is not None else []
+        choices = self._choices(result, len(token_ids))
+        if result["eos"] and result.get("eos_reason") == "stop_token":
+            # Text held back (it might have begun a stop string) is the completion's; the
+            # end-of-text or stop token that ended it is not.
+            held = result.get("held") or {}
+            text += held.get("text", "")
+            held_ids = held.get("token_ids")
+            if held_ids is not None:
+                token_ids += held_ids.view(-1).tolist()[:-1]
+                choices += self._choices(held, len(token_ids) - len(choices))
+        if text or token_ids:
+            outputs.append(TokenChunk(job_id, text, token_ids, choices or None))
+        if result["eos"]:
+            entry = self._jobs.pop(job_id, None)
+            reason: FinishReason = (
+                "length" if result.get("eos_reason") == "max_new_tokens" else "stop"
+            )
+            outputs.append(
+                JobEnded(
+                    job_id,
+                    reason,
+                    prompt_tokens=int(
+                        result.get("prompt_tokens", entry.prompt_tokens if entry else 0)
+                    ),
+                    completion_tokens=int(result.get("new_tokens", 0)),
+                    cached_tokens=int(result.get("cached_tokens", 0)),
+                )
+            )
+
+    def _choices(self, result: dict[str, Any], count: int) -> list[TokenChoices]:
+        """The logprobs of ``result``'s first ``count`` tokens: each one's likeliest tokens,
+        most likely first, then the chosen token where it is not among them."""
+        top_ids = result.get("top_k_tokens")  # (1, tokens, k)
+        top_probs = result.get("top_k_probs")
+        chosen_probs = result.get("token_probs")  # (1, tokens)
+        token_ids = result.get("token_ids")
+        if top_ids is None or top_probs is None or chosen_probs is None or token_ids is None:
+            return []
+        if self._pieces is None:
+            self._pieces = self.tokenizer.get_id_to_piece_list(True)
+        pieces = self._pieces
+        log_top = top_probs.float().log().clamp_min(MIN_LOGPROB)[0].tolist()
+        log_chosen = chosen_probs.float().log().clamp_min(MIN_LOGPROB).view(-1).tolist()
+        chosen_ids = token_ids.view(-1).tolist()
+        choices = []
+        for ids, values, chosen, chosen_value in list(
+            zip(top_ids[0].tolist(), log_top, chosen_ids, log_chosen, strict=True)
+        )[:count]:
+            top = [
+                TokenLogprob(token=pieces[i], token_id=i, logprob=v)
+                for i, v in zip(ids, values, strict=True)
+            ]
+            if chosen not in ids:
+                top.append(
+                    TokenLogprob(token=pieces[chosen], token_id=chosen, logprob=chosen_value)
+                )
+            choices.append(TokenChoices(top=top))
+        return choices
+
+    def abort_all(self) -> list[str]:
+        ids = list(self._jobs)
+        self._jobs.clear()
+        try:
+            self.generator.clear_queue()
+            self._torch.cuda.synchronize()
+        except Exception as exc:  # a CUDA error is sticky: nothing will run again
+            raise EngineDead(f"cannot reset the generator: {exc}") from exc
+        return ids
+
+    @property
+    def active_jobs(self) -> int:
+        return len(self._jobs)
+
+    def cache_usage(self) -> CacheUsage:
+        pages = self.generator.pagetable
+        return CacheUsage(len(pages.referenced_pages), int(pages.max_pages))
+
+    def close(self) -> None:
+        self._jobs.clear()
+        self.generator.clear_queue()
+        self.generator.close()
+        self.model.unload()
