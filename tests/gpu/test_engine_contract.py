@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,41 +167,23 @@ def test_cancel_ends_a_running_job_and_frees_its_slot(engine: Engine) -> None:
     while engine.active_jobs:
         ends.update({o.job_id: o for o in engine.step() if isinstance(o, JobEnded)})
     assert set(ends) == {"short"} and ends["short"].completion_tokens == 8
-    assert engine.cache_usage().pages_used >= 0
 
 
-def test_logprobs_are_the_model_distribution(
-    engine: Engine, smollm2: tuple[Path, Any, Any]
-) -> None:
-    import torch
-
-    _, hf_model, hf_tokenizer = smollm2
+def test_logprobs_come_with_every_token_likeliest_first(engine: Engine) -> None:
+    # Their values against each engine's own logits: test_smollm2_on_gpu.py (exllamav2),
+    # test_exllamav3_engine.py (exllamav3).
     out = run(engine, {"p": chat(max_new_tokens=6, logprobs=3, ignore_eos=True)})
     choices = [c for chunk in out["chunks"]["p"] for c in chunk.logprobs or []]
     ids = out["ids"]["p"]
     assert len(choices) == len(ids) == 6
     for chosen, choice in zip(ids, choices, strict=True):
-        values = [t.logprob for t in choice.top[:3]]
-        assert values == sorted(values, reverse=True) and values[0] <= 0
-        # Greedy: the chosen token is the likeliest.
-        assert choice.top[0].token_id == chosen
-    # The first token's distribution, against transformers on the same prompt.
-    text = hf_tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
-    )
-    prompt = hf_tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    with torch.inference_mode():
-        logits = hf_model(prompt.to("cuda")).logits[0, -1].float()
-    expected = torch.log_softmax(logits, dim=-1).topk(3)
-    got = [(t.token_id, t.logprob) for t in choices[0].top[:3]]
-    print(f"\n{engine.name}: {got} vs {expected.indices.tolist()} {expected.values.tolist()}")
-    assert [i for i, _ in got] == expected.indices.tolist()
-    for (_, value), want in zip(got, expected.values.tolist(), strict=True):
-        assert abs(value - want) < 0.05
+        values = [t.logprob for t in choice.top]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert values[0] <= 0 and sum(math.exp(v) for v in values) <= 1.0001
+        assert choice.top[0].token_id == chosen  # greedy: the chosen token is the likeliest
 
 
 def test_json_schema_output_validates_and_bad_requests_are_refused(engine: Engine) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     requests = {
         f"j{n}": chat(
@@ -215,7 +198,10 @@ def test_json_schema_output_validates_and_bad_requests_are_refused(engine: Engin
     out = run(engine, requests)
     for n in range(4):
         value = json.loads(out["texts"][f"j{n}"])
-        jsonschema.validate(value, SCHEMA)
+        assert set(value) == {"name", "age", "city"}, value
+        assert isinstance(value["name"], str) and len(value["name"]) <= 20
+        assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
+        assert value["city"] in SCHEMA["properties"]["city"]["enum"]  # type: ignore[index]
         assert out["ends"][f"j{n}"].finish_reason == "stop"
     assert out["texts"]["plain"] and out["ends"]["plain"].completion_tokens == 16
     with pytest.raises(InvalidRequest, match="regex"):

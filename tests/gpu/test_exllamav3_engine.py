@@ -1,5 +1,7 @@
 """exlq's exllamav3 engine against exllamav3's own generator on a real model (SmolLM2-135M):
-the same prompts, greedy, give the same text and token ids."""
+the same prompts, greedy, give the same text and token ids, and exlq's logprobs are the
+log-softmax of the logits exllamav3 computes. (Both load the model with exlq's trim of the
+MLP outputs, without which exllamav3 1.6.5 cannot load a hidden size of 576.)"""
 
 from __future__ import annotations
 
@@ -26,12 +28,19 @@ PROMPTS = [
 NEW_TOKENS = 48
 
 
-def own_generator_texts(model_dir: Path) -> dict[int, tuple[str, list[int]]]:
-    """exllamav3's own Generator, as its examples drive it: greedy, stopping at EOS."""
+def own_generator_texts(
+    model_dir: Path, eos_ids: list[int]
+) -> tuple[dict[int, tuple[str, list[int]]], Any]:
+    """exllamav3's own Generator, as its examples drive it: greedy, stopping at the end-of-text
+    tokens; and the first prompt's logits, a row a token."""
+    import torch
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
+
+    from exlq.worker.engines.exllamav3.engine import trim_mlp_outputs
 
     config = Config.from_directory(str(model_dir))
     model = Model.from_config(config)
+    trim_mlp_outputs(model)
     cache = Cache(model, max_num_tokens=16_384)
     model.load()
     tokenizer = Tokenizer.from_config(config)
@@ -43,15 +52,19 @@ def own_generator_texts(model_dir: Path) -> dict[int, tuple[str, list[int]]]:
                 input_ids=tokenizer.encode(prompt, add_bos=True),
                 max_new_tokens=NEW_TOKENS,
                 sampler=ArgmaxSampler(),
-                stop_conditions=[tokenizer.eos_token_id],
+                stop_conditions=list(eos_ids),
+                return_logits=n == 0,
                 identifier=n,
             )
         )
+    logits = []
     while generator.num_remaining_jobs():
         for result in generator.iterate():
             if result["stage"] != "streaming":
                 continue
             text, ids = texts[result["identifier"]]
+            if result.get("logits") is not None:
+                logits.append(result["logits"].view(-1, result["logits"].shape[-1]).float().cpu())
             ids_tensor = result.get("token_ids")
             texts[result["identifier"]] = (
                 text + result.get("text", ""),
@@ -59,17 +72,18 @@ def own_generator_texts(model_dir: Path) -> dict[int, tuple[str, list[int]]]:
             )
     generator.close()
     model.unload()
-    return texts
+    return texts, torch.cat(logits)
 
 
 def test_greedy_text_equals_exllamav3s_own_generator(smollm2: tuple[Path, Any, Any]) -> None:
     pytest.importorskip("exllamav3")
+    import torch
+
     from exlq.worker.engines import build_engine
     from exlq.worker.engines.base import JobEnded, TokenChunk
     from exlq.worker.settings import WorkerSettings
 
     model_dir = smollm2[0]
-    own = own_generator_texts(model_dir)
     settings = WorkerSettings.load(
         {"cache_tokens": 16_384}, engine="exllamav3", model=model_dir, max_batch_size=16
     )
@@ -79,21 +93,33 @@ def test_greedy_text_equals_exllamav3s_own_generator(smollm2: tuple[Path, Any, A
             engine.add(
                 str(n),
                 GenerationRequest(
-                    prompt=prompt, max_new_tokens=NEW_TOKENS, sampling={"temperature": 0.0}
+                    prompt=prompt,
+                    max_new_tokens=NEW_TOKENS,
+                    sampling={"temperature": 0.0},
+                    logprobs=3 if n == 0 else 0,
                 ),
             )
         got: dict[int, tuple[str, list[int]]] = {n: ("", []) for n in range(len(PROMPTS))}
+        choices: list[Any] = []
         ended = 0
         while ended < len(PROMPTS):
             for out in engine.step():
                 if isinstance(out, TokenChunk):
                     text, ids = got[int(out.job_id)]
                     got[int(out.job_id)] = (text + out.text, ids + out.token_ids)
+                    choices += out.logprobs or []
                 elif isinstance(out, JobEnded):
                     ended += 1
+        eos_ids = list(engine._eos_ids)  # type: ignore[attr-defined]
     finally:
         engine.close()
+    own, own_logits = own_generator_texts(model_dir, eos_ids)
     for n in range(len(PROMPTS)):
         print(f"\n{PROMPTS[n]!r}: {got[n][0]!r}")
     assert got == own
     assert all(len(ids) > 8 for _, ids in got.values())
+    assert len(choices) == len(got[0][1]) == own_logits.shape[0]
+    for row, choice in zip(own_logits, choices, strict=True):
+        expected = torch.log_softmax(row, dim=-1)
+        for token in choice.top:
+            assert abs(token.logprob - float(expected[token.token_id])) < 0.02

@@ -77,6 +77,28 @@ def load_exllamav3_engine(request: LoadRequest) -> ExLlamaV3Engine:
         raise EngineUnavailable(f"cannot load the model from {model}: {exc}") from exc
 
 
+def trim_mlp_outputs(model: Any) -> int:
+    """Mark the gated MLPs' down projections to trim their padding; returns how many needed it.
+
+    exllamav3 pads a linear layer's output to a multiple of 128 columns and trims it back only
+    where the layer is told to: its attention's output projection is, its gated MLP's down
+    projection (1.6.5) is not. A model whose hidden size is no multiple of 128 (SmolLM2-135M:
+    576) then fails at load, adding 640 columns to the residual stream's 576. The trim is
+    what the attention's projection does, so a model that loads without it runs the same."""
+    from exllamav3.modules import GatedMLP
+
+    trimmed = 0
+    for top in model.modules:
+        for module in top:
+            if not isinstance(module, GatedMLP):
+                continue
+            for down in module.downs:
+                if down.out_features != down.out_features_unpadded and not down.trim_padded_out:
+                    down.trim_padded_out = True
+                    trimmed += 1
+    return trimmed
+
+
 @dataclass(slots=True)
 class _Job:
     job: Any  # exllamav3.Job
@@ -98,6 +120,7 @@ class ExLlamaV3Engine(Engine):
         self.version = str(getattr(exllamav3, "__version__", "unknown"))
         config = Config.from_directory(str(model_dir))
         self.model = Model.from_config(config)
+        trim_mlp_outputs(self.model)
         # The cache is made before the weights load: exllamav3 places both at load.
         self.cache = Cache(self.model, max_num_tokens=settings.cache_tokens)
         self.model.load()
