@@ -207,7 +207,7 @@ def test_json_schema_output_validates_and_bad_requests_are_refused(engine: Engin
     with pytest.raises(InvalidRequest, match="regex"):
         engine.add("bad", chat(regex="(unclosed"))
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
-        engine.add("long", chat(max_new_tokens=100_000))
+        engine.add("long", chat(max_new_tokens=60_000))
     with pytest.raises(InvalidRequest, match="vocabulary"):
         engine.add("ids", GenerationRequest(input_ids=[1, 2, 10_000_000], max_new_tokens=4))
     assert engine.active_jobs == 0

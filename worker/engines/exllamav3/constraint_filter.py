@@ -26,9 +26,9 @@ class ConstraintFilter(Filter):  # type: ignore[misc]
         self._bitmask: torch.Tensor = allocate_bitmask(1, vocab_size)
 
     def reset(self) -> None:
-        raise RuntimeError(
-            "an exlq constraint is never reset: its grammar state goes back by rollback only"
-        )
+        # exllamav3 resets a filter as its job starts: the grammar goes back to its start.
+        if self._accepted:
+            self.rollback_tokens(self._accepted)
 
     def accept_token(self, token: int) -> None:
         if self.constraint.finished:
