@@ -125,12 +125,19 @@ class ExLlamaV3Engine(Engine):
         self.cache = Cache(self.model, max_num_tokens=settings.cache_tokens)
         self.model.load()
         self.tokenizer = Tokenizer.from_config(config)
+        # Every prompt waiting is read on every iteration, in full chunks, as when exllamav3's
+        # jobs all arrive together. Its default rations prompts while any job generates (one
+        # job's half chunk every fifth iteration), which protects running streams but leaves
+        # a burst's later jobs waiting for their first token: a queue's jobs arrive over a
+        # few iterations, so most of a burst would start under that ration.
         self.generator = Generator(
             self.model,
             self.cache,
             self.tokenizer,
             max_batch_size=capacity,
             max_chunk_size=settings.max_chunk_size,
+            shared_chunk_size=settings.max_chunk_size,
+            prefill_cooldown=0,
         )
         self.vocab_size = int(config.vocab_size)
         self.cache_tokens = settings.cache_tokens
