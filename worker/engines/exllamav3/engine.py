@@ -35,10 +35,12 @@ from exlq.worker.engines.base import (
     JobEnded,
     JobErrored,
     TokenChunk,
+    UsesDeviceWait,
     describe_error,
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids
+from exlq.worker.engines.exllamav3.device_wait import run_wait_work_after_forward
 from exlq.worker.engines.exllamav3.sampling import sampler_for
 from exlq.worker.engines.exllamav3.settings import ExLlamaV3Settings
 from exlq.worker.engines.registry import LoadRequest
@@ -105,7 +107,7 @@ class _Job:
     prompt_tokens: int
 
 
-class ExLlamaV3Engine(Engine):
+class ExLlamaV3Engine(Engine, UsesDeviceWait):
     name = "exllamav3"
 
     def __init__(self, model_dir: Path, capacity: int, settings: ExLlamaV3Settings) -> None:
@@ -139,6 +141,7 @@ class ExLlamaV3Engine(Engine):
             shared_chunk_size=settings.max_chunk_size,
             prefill_cooldown=0,
         )
+        run_wait_work_after_forward(self.model, self)
         self.vocab_size = int(config.vocab_size)
         self.cache_tokens = settings.cache_tokens
         self.max_seq_len = min(int(config.max_position_embeddings), settings.cache_tokens)
