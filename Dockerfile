@@ -2,7 +2,8 @@
 #
 # exlq images. Three targets:
 #
-#   gpu  (default, last stage): CUDA + torch + exllamav2 with its extension prebuilt.
+#   gpu  (default, last stage): CUDA + torch + exllamav2 and exllamav3, their extensions
+#        prebuilt (`--engine auto` serves EXL2, EXL3 and Hugging Face fp16 models).
 #        docker build -t exlq-worker .
 #        docker run --gpus all -v /srv/models:/models:ro \
 #            -e EXLQ_REDIS_URL=redis://redis:6379/0 -e EXLQ_MODEL=/models/my-model exlq-worker
@@ -95,6 +96,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 # Keep in step with constraints.txt (the pin there is what the last install below holds
 # to); an argument here so that a change of constraints.txt does not rebuild this layer.
 ARG EXLLAMAV2_VERSION=0.3.2
+ARG EXLLAMAV3_VERSION=1.6.5
 # GPUs to compile the extension for: A100 (8.0), A10/3090 (8.6), L4/L40/4090 (8.9), H100/H200 (9.0).
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
 ARG MAX_JOBS=8
@@ -129,31 +131,34 @@ RUN groupadd --system --gid 10001 exlq \
  && mkdir -p /models /opt/torch_extensions \
  && chown exlq:exlq /opt/torch_extensions
 
-# Heavy, rarely-changing layers first: torch, exllamav2, the compiled extension.
+# Heavy, rarely-changing layers first: torch, exllamav2, exllamav3, the compiled extensions.
 RUN pip install --index-url ${TORCH_INDEX_URL} "torch==${TORCH_VERSION}" \
- && pip install "exllamav2==${EXLLAMAV2_VERSION}" \
+ && pip install "exllamav2==${EXLLAMAV2_VERSION}" "exllamav3==${EXLLAMAV3_VERSION}" \
  && if [ -n "${FLASH_ATTN_WHEEL}" ]; then pip install "${FLASH_ATTN_WHEEL}"; fi
 
-# Compile exllamav2's extension as the runtime user, into TORCH_EXTENSIONS_DIR.
+# Compile both extensions as the runtime user, into TORCH_EXTENSIONS_DIR (exllamav3's
+# takes about twice exllamav2's time).
 USER exlq
 # a+rwX: torch takes a lock file in the build directory at every start, so a
 # runtime uid other than 10001 (OpenShift, runAsUser) must be able to write there.
 RUN python -c "import exllamav2, exllamav2.ext; print('exllamav2 extension ready')" \
+ && python -c "import exllamav3, exllamav3.ext; print('exllamav3 extension ready')" \
  && find /opt/torch_extensions -name 'exllamav2_ext*.so' | grep -q . \
+ && find /opt/torch_extensions -name 'exllamav3_ext*.so' | grep -q . \
  && chmod -R a+rwX /opt/torch_extensions
 USER root
 
-# The project itself (producer + worker) and its exllamav2 extra, every version as
-# constraints.txt pins it. torch and exllamav2 are already satisfied.
+# The project itself (producer + worker) and its engines' extras, every version as
+# constraints.txt pins it. torch, exllamav2 and exllamav3 are already satisfied.
 COPY . /app
-RUN pip install -c /app/constraints.txt "/app[exllamav2]"
+RUN pip install -c /app/constraints.txt "/app[exllamav2,exllamav3]"
 
 # Check the start-up path as the runtime user: the extension loads without a rebuild.
 # (Never import exllamav2 as root here: files root writes into the build directory
 # would make the JIT fail for the runtime user.)
 USER exlq
 WORKDIR /home/exlq
-RUN python -c "import torch, exllamav2, exllamav2.ext; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'exllamav2', exllamav2.__version__)"
+RUN python -c "import torch, exllamav2, exllamav2.ext, exllamav3.ext; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'exllamav2', exllamav2.__version__)"
 
 # Models are mounted read-only at /models; point EXLQ_MODEL at /models/<name>.
 EXPOSE 9400

@@ -17,6 +17,7 @@ outputs here, so nothing else sees them:
 from __future__ import annotations
 
 import array
+import importlib.metadata
 import importlib.util
 import logging
 import math
@@ -111,7 +112,6 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
     name = "exllamav3"
 
     def __init__(self, model_dir: Path, capacity: int, settings: ExLlamaV3Settings) -> None:
-        import exllamav3
         import numpy
         import torch
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
@@ -119,7 +119,7 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
         self._torch = torch
         self._numpy = numpy
         self.capacity = capacity
-        self.version = str(getattr(exllamav3, "__version__", "unknown"))
+        self.version = importlib.metadata.version("exllamav3")
         config = Config.from_directory(str(model_dir))
         self.model = Model.from_config(config)
         trim_mlp_outputs(self.model)
