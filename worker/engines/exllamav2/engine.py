@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exlq.protocol.models import (
-    FinishReason,
     InvalidRequest,
     TokenChoices,
 )
@@ -39,6 +38,7 @@ from exlq.worker.engines.base import (
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids, sampling_settings
+from exlq.worker.engines.exllama_results import ended_job
 from exlq.worker.engines.exllamav2.build_queue import Accepted, BuildQueue, room_for_one_more
 from exlq.worker.engines.exllamav2.placement import Drafting, Placement, where_loaded
 from exlq.worker.engines.exllamav2.settings import ExLlamaV2Settings
@@ -449,21 +449,8 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             outputs.append(TokenChunk(job_id, text, token_ids, self._logprobs(result)))
         if result["eos"]:
             entry = self._jobs.pop(job_id, None)
-            reason: FinishReason = (
-                "length" if result.get("eos_reason") == "max_new_tokens" else "stop"
-            )
-            outputs.append(
-                JobEnded(
-                    job_id,
-                    reason,
-                    prompt_tokens=int(
-                        result.get("prompt_tokens", entry.prompt_tokens if entry else 0)
-                    ),
-                    completion_tokens=int(result.get("new_tokens", 0)),
-                    cached_tokens=int(result.get("cached_tokens", 0)),
-                    **self._draft_counts(result),
-                )
-            )
+            prompt_tokens = entry.prompt_tokens if entry else 0
+            outputs.append(ended_job(job_id, result, prompt_tokens, **self._draft_counts(result)))
 
     def _draft_counts(self, result: dict[str, Any]) -> dict[str, int]:
         """A drafting generator's counts for the job that ``result`` ends."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exlq.protocol.models import FinishReason, InvalidRequest, TokenChoices, TokenLogprob
+from exlq.protocol.models import InvalidRequest, TokenChoices, TokenLogprob
 from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
@@ -41,6 +41,7 @@ from exlq.worker.engines.base import (
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids
+from exlq.worker.engines.exllama_results import ended_job
 from exlq.worker.engines.exllamav3.device_wait import run_wait_work_after_forward
 from exlq.worker.engines.exllamav3.sampling import sampler_for
 from exlq.worker.engines.exllamav3.settings import ExLlamaV3Settings
@@ -294,20 +295,8 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
             outputs.append(TokenChunk(job_id, text, token_ids, choices or None))
         if result["eos"]:
             entry = self._jobs.pop(job_id, None)
-            reason: FinishReason = (
-                "length" if result.get("eos_reason") == "max_new_tokens" else "stop"
-            )
-            outputs.append(
-                JobEnded(
-                    job_id,
-                    reason,
-                    prompt_tokens=int(
-                        result.get("prompt_tokens", entry.prompt_tokens if entry else 0)
-                    ),
-                    completion_tokens=int(result.get("new_tokens", 0)),
-                    cached_tokens=int(result.get("cached_tokens", 0)),
-                )
-            )
+            prompt_tokens = entry.prompt_tokens if entry else 0
+            outputs.append(ended_job(job_id, result, prompt_tokens))
 
     def _choices(self, result: dict[str, Any], count: int) -> list[TokenChoices]:
         """The logprobs of ``result``'s first ``count`` tokens: each one's likeliest tokens,
