@@ -123,7 +123,8 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
         self.version = importlib.metadata.version("exllamav3")
         config = Config.from_directory(str(model_dir))
         self.model = Model.from_config(config)
-        trim_mlp_outputs(self.model)
+        if trimmed := trim_mlp_outputs(self.model):
+            log.info("exllamav3: %d MLP output projections trimmed of their padding", trimmed)
         # The cache is made before the weights load: exllamav3 places both at load.
         self.cache = Cache(self.model, max_num_tokens=settings.cache_tokens)
         self.model.load()
