@@ -636,15 +636,19 @@ class Worker:
     def _observe_tokens(self) -> None:
         """The token metrics of the chunks taken since the last call."""
         seen, self._tokens_seen = self._tokens_seen, []
+        generated = 0
         for job, previous, now, chunk in seen:
-            self.tokens_generated += len(chunk.token_ids)
-            self.metrics.add_generated_tokens(len(chunk.token_ids))
+            generated += len(chunk.token_ids)
             if previous is None:
                 self.metrics.observe_ttft(now - job.enqueued_at, job.lane)
             elif chunk.token_ids:
                 gap = (now - previous) / len(chunk.token_ids)
                 for _ in chunk.token_ids:
                     self.metrics.observe_inter_token(gap)
+        # One add for the chunks together: the counter's lock and call once, not per chunk.
+        self.tokens_generated += generated
+        if generated:
+            self.metrics.add_generated_tokens(generated)
 
     def _finish(self, batch: Batch, job: RunningJob, ended: JobEnded, now: float) -> None:
         state, event_json, result_json = job.finish(ended, now)
