@@ -1,10 +1,12 @@
 """exllamav3's own generator, exlq on exllamav3 and exlq on exllamav2, on one GPU in one run,
 each burst against its physical floor.
 
-    python -m bench.engines_table --shapes 8b,1b --jobs 1,8,64,128 [--exl3 DIR] [--out F]
+    python -m bench.engines_table --shapes 8b,1b --jobs 1,8,64,128 [--exl3 DIR]
+        [--exl3-shape 8b --exl3-devices 0,1,2,3] [--out F]
 
 For each model (a preset shape of bench.make_checkpoint, or a directory; --exl3 adds an
-EXL3 directory, which exllamav2 cannot load) and each count of jobs: one burst of that many
+EXL3 directory, which exllamav2 cannot load; --exl3-shape converts a shape first, with
+exllamav3's converter, and reports its time) and each count of jobs: one burst of that many
 jobs at once (random prompts of --prompt tokens, --new tokens each, greedy, no stop), after a
 warm-up burst of other prompts. exlq's systems run the full path (SDK -> Redis -> `exlq
 worker` -> pub/sub -> SDK); exllamav3 alone runs its Generator in this process.
@@ -175,6 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shapes", default="8b,1b", help="preset shapes or model directories")
     ap.add_argument("--exl3", action="append", default=[], help="an EXL3 model directory")
+    ap.add_argument(
+        "--exl3-shape",
+        default="",
+        help="a preset shape to convert to EXL3 (bench.exl3, once) and measure too",
+    )
+    ap.add_argument("--exl3-bits", type=float, default=4.0)
+    ap.add_argument("--exl3-devices", default="0", help="GPUs the conversion uses, e.g. 0,1,2,3")
     ap.add_argument("--models", default="/tmp/exlq-models")
     ap.add_argument("--jobs", default="1,8,64,128")
     ap.add_argument("--prompt", type=int, default=256)
@@ -199,6 +208,18 @@ def main(argv: list[str] | None = None) -> None:
         out.write(json.dumps(header) + "\n")
     models = [model_for(shape, Path(args.models)) for shape in args.shapes.split(",") if shape]
     models += [(Path(d), Path(d).name) for d in args.exl3]
+    if args.exl3_shape:
+        from bench.exl3 import exl3_checkpoint
+
+        converted, seconds = exl3_checkpoint(
+            Path(args.models), args.exl3_shape, args.exl3_bits, args.exl3_devices
+        )
+        note = {"exl3": str(converted), "conversion_s": round(seconds, 1)}
+        note["devices"] = args.exl3_devices
+        print(json.dumps(note), flush=True)
+        if out:
+            out.write(json.dumps(note) + "\n")
+        models.append((converted, converted.name))
     for model_dir, shape in models:
         for system in args.systems.split(","):
             if system == "exlq2" and is_exl3(model_dir):

@@ -146,7 +146,9 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
         run_wait_work_after_forward(self.model, self)
         self.vocab_size = int(config.vocab_size)
         self.cache_tokens = settings.cache_tokens
-        self.max_seq_len = min(int(config.max_position_embeddings), settings.cache_tokens)
+        # exllamav3 keeps one cache position past a job's last token (it caps a job that
+        # would fill the cache whole one token short).
+        self.max_seq_len = min(int(config.max_position_embeddings), settings.cache_tokens - 1)
         self.chat = ChatFormatter(
             model_dir, self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""
         )
