@@ -4,6 +4,7 @@ in exllamav3's step."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -61,3 +62,55 @@ def test_the_wait_work_runs_once_after_each_decode_pass_is_queued_and_not_in_pre
     engine.set_wait_work(None)
     model.forward(4)
     assert log == ["forward 1", "prefill 2", "forward 3", "wait work", "forward 4"]
+
+
+torch = pytest.importorskip("torch")
+
+PIECES = [f"t{n}" for n in range(10)]
+
+
+def _ids(*ids: int) -> Any:
+    return torch.tensor([list(ids)])
+
+
+def test_a_stop_token_ends_the_job_with_the_text_exllamav3_held_and_without_the_token() -> None:
+    from exlq.worker.engines.base import JobEnded, TokenChunk
+    from exlq.worker.engines.exllamav3.results import outputs_of
+
+    result = {
+        "eos": True,
+        "eos_reason": "stop_token",
+        "held": {"text": " wor", "token_ids": _ids(4, 5, 2)},  # 2: the end-of-text token
+        "prompt_tokens": 6,
+        "new_tokens": 5,
+        "cached_tokens": 0,
+    }
+    assert outputs_of("j", result, lambda: PIECES, 9) == [
+        TokenChunk("j", " wor", [4, 5]),
+        JobEnded("j", "stop", 6, 5, 0),
+    ]
+    streaming = {"eos": False, "text": "Hello", "token_ids": _ids(7, 8)}
+    assert outputs_of("j", streaming, lambda: PIECES, 9) == [TokenChunk("j", "Hello", [7, 8])]
+    # A stop string's text stays held: it is not the completion's.
+    stopped = {**result, "eos_reason": "stop_string", "text": "a", "token_ids": _ids(3)}
+    assert outputs_of("j", stopped, lambda: PIECES, 9)[0] == TokenChunk("j", "a", [3])
+
+
+def test_logprobs_are_logs_of_exllamav3s_probabilities_with_the_chosen_token_listed() -> None:
+    from exlq.worker.engines.exllamav3.results import MIN_LOGPROB, token_choices
+
+    result = {
+        "token_ids": _ids(3, 1),
+        "top_k_tokens": torch.tensor([[[3, 4], [2, 4]]]),
+        "top_k_probs": torch.tensor([[[0.5, 0.25], [0.6, 0.0]]]),
+        "token_probs": torch.tensor([[0.5, 0.125]]),
+    }
+    first, second = token_choices(result, 2, lambda: PIECES)
+    assert [(t.token, t.token_id) for t in first.top] == [("t3", 3), ("t4", 4)]
+    assert first.top[0].logprob == pytest.approx(math.log(0.5))
+    # Token 1 was chosen though not among the two likeliest: it comes last.
+    assert [t.token_id for t in second.top] == [2, 4, 1]
+    assert second.top[1].logprob == pytest.approx(MIN_LOGPROB)  # a probability of 0: no -inf
+    assert second.top[2].logprob == pytest.approx(math.log(0.125))
+    assert token_choices(result, 1, lambda: PIECES) == [first]
+    assert token_choices({"token_ids": _ids(3)}, 1, lambda: PIECES) == []

@@ -4,14 +4,15 @@ exllamav3's Generator batches continuously: jobs join between iterations, each p
 prefilled in chunks, pages of the KV cache are shared between jobs whose prompts begin
 alike (prefix reuse, counted in each job's cached tokens), and the decode step replays
 CUDA graphs. exlq drives its synchronous API from the engine thread, not its
-AsyncGenerator (which iterates on the event loop), and turns its result dicts into typed
-outputs here, so nothing else sees them:
+AsyncGenerator (which iterates on the event loop); its result dicts become typed outputs
+in results.py, so nothing else sees them:
 
 - a request becomes one exllamav3 Job: its prompt encoded (chat messages through the
   model's template), its stops (the end-of-text tokens unless ignore_eos), banned strings,
   seed (one drawn here where the request has none), sampler (sampling.py), its grammar as a
   filter (constraint_filter.py) and, with logprobs, the model's own probabilities;
-- a step is one iterate(): each job's new text and token ids, and its end.
+- a step is one iterate(): each job's new text and token ids, and its end; the engine
+  loop's wait work runs inside it, once the decode pass is queued (device_wait.py).
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import array
 import importlib.metadata
 import importlib.util
 import logging
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exlq.protocol.models import InvalidRequest, TokenChoices, TokenLogprob
+from exlq.protocol.models import InvalidRequest
 from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
@@ -35,23 +35,19 @@ from exlq.worker.engines.base import (
     EngineUnavailable,
     JobEnded,
     JobErrored,
-    TokenChunk,
     UsesDeviceWait,
     describe_error,
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, pack_ids
-from exlq.worker.engines.exllama_results import ended_job
 from exlq.worker.engines.exllamav3.device_wait import run_wait_work_after_forward
+from exlq.worker.engines.exllamav3.results import outputs_of
 from exlq.worker.engines.exllamav3.sampling import sampler_for
 from exlq.worker.engines.exllamav3.settings import ExLlamaV3Settings
 from exlq.worker.engines.registry import LoadRequest
 from exlq.worker.engines.structured_output import model_grammar_compiler
 
 log = logging.getLogger(__name__)
-
-# JSON has no -inf: a token the model rules out gets log(1e-30), as exlq's other engines.
-MIN_LOGPROB = math.log(1e-30)
 
 
 def load_exllamav3_engine(request: LoadRequest) -> ExLlamaV3Engine:
@@ -271,65 +267,20 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
         for result in self.generator.iterate():
             stage = result["stage"]
             if stage == "streaming":
-                self._add_outputs(result, outputs)
+                job_id = str(result["identifier"])
+                entry = self._jobs.pop(job_id, None) if result["eos"] else None
+                prompt_tokens = entry.prompt_tokens if entry is not None else 0
+                outputs += outputs_of(job_id, result, self._pieces_list, prompt_tokens)
             elif stage == "error":  # exllamav3 failed this job alone and dropped it
                 job_id = str(result["job"].identifier)
                 self._jobs.pop(job_id, None)
                 outputs.append(JobErrored(job_id, "engine_error", describe_error(result["error"])))
         return outputs
 
-    def _add_outputs(self, result: dict[str, Any], outputs: list[EngineOutput]) -> None:
-        """Append what one of exllamav3's results says to ``outputs`` (every job, every step)."""
-        job_id = str(result["identifier"])
-        text: str = result.get("text", "")
-        ids = result.get("token_ids")
-        token_ids: list[int] = ids.view(-1).tolist() if ids is not None else []
-        choices = self._choices(result, len(token_ids))
-        if result["eos"] and result.get("eos_reason") == "stop_token":
-            # Text held back (it might have begun a stop string) is the completion's; the
-            # end-of-text or stop token that ended it is not.
-            held = result.get("held") or {}
-            text += held.get("text", "")
-            held_ids = held.get("token_ids")
-            if held_ids is not None:
-                token_ids += held_ids.view(-1).tolist()[:-1]
-                choices += self._choices(held, len(token_ids) - len(choices))
-        if text or token_ids:
-            outputs.append(TokenChunk(job_id, text, token_ids, choices or None))
-        if result["eos"]:
-            entry = self._jobs.pop(job_id, None)
-            prompt_tokens = entry.prompt_tokens if entry else 0
-            outputs.append(ended_job(job_id, result, prompt_tokens))
-
-    def _choices(self, result: dict[str, Any], count: int) -> list[TokenChoices]:
-        """The logprobs of ``result``'s first ``count`` tokens: each one's likeliest tokens,
-        most likely first, then the chosen token where it is not among them."""
-        top_ids = result.get("top_k_tokens")  # (1, tokens, k)
-        top_probs = result.get("top_k_probs")
-        chosen_probs = result.get("token_probs")  # (1, tokens)
-        token_ids = result.get("token_ids")
-        if top_ids is None or top_probs is None or chosen_probs is None or token_ids is None:
-            return []
+    def _pieces_list(self) -> list[str]:
         if self._pieces is None:
             self._pieces = self.tokenizer.get_id_to_piece_list(True)
-        pieces = self._pieces
-        log_top = top_probs.float().log().clamp_min(MIN_LOGPROB)[0].tolist()
-        log_chosen = chosen_probs.float().log().clamp_min(MIN_LOGPROB).view(-1).tolist()
-        chosen_ids = token_ids.view(-1).tolist()
-        choices = []
-        for ids, values, chosen, chosen_value in list(
-            zip(top_ids[0].tolist(), log_top, chosen_ids, log_chosen, strict=True)
-        )[:count]:
-            top = [
-                TokenLogprob(token=pieces[i], token_id=i, logprob=v)
-                for i, v in zip(ids, values, strict=True)
-            ]
-            if chosen not in ids:
-                top.append(
-                    TokenLogprob(token=pieces[chosen], token_id=chosen, logprob=chosen_value)
-                )
-            choices.append(TokenChoices(top=top))
-        return choices
+        return self._pieces
 
     def abort_all(self) -> list[str]:
         ids = list(self._jobs)
