@@ -10,7 +10,6 @@ from CUDA graphs (graphs.py), unless settings turn them off.
 
 from __future__ import annotations
 
-import array
 import functools
 import logging
 import random
@@ -37,7 +36,8 @@ from exlq.worker.engines.base import (
     describe_error,
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
-from exlq.worker.engines.engine_request import EngineRequest, pack_ids, sampling_settings
+from exlq.worker.engines.engine_request import EngineRequest, sampling_settings
+from exlq.worker.engines.exllama_prompt import prompt_tensor
 from exlq.worker.engines.exllama_results import ended_job
 from exlq.worker.engines.exllamav2.build_queue import Accepted, BuildQueue, room_for_one_more
 from exlq.worker.engines.exllamav2.placement import Drafting, Placement, where_loaded
@@ -148,13 +148,11 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
     def __init__(
         self, model: Path, max_batch_size: int, settings: ExLlamaV2Settings, attention: str
     ) -> None:
-        import numpy  # exllamav2 depends on it
         import torch
 
         from exlq.worker.engines.exllamav2.load import load_generator, warm_up
 
         self._torch = torch
-        self._numpy = numpy
         self.attention = attention
         self.capacity = max_batch_size
         self.drafting = (
@@ -258,7 +256,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
 
     def prepare(self, job_id: str, request: EngineRequest) -> _Checked:
         """Check and encode the request (a bad one raises here), without starting it."""
-        input_ids = self._encode(request)
+        input_ids = prompt_tensor(request, self.tokenizer, self.chat, self.model.config.vocab_size)
         prompt_tokens = int(input_ids.shape[-1])
         constraint = self._constraint(request)
         if prompt_tokens + request.max_new_tokens + self._drafted > self.max_seq_len:
@@ -377,31 +375,6 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         job.exlq_constraint = checked.constraint
         ready_job(self.generator, job)
         return job
-
-    def _encode(self, request: EngineRequest) -> Any:
-        if request.prompt_ids is not None:
-            # A uint32 array (a PackedRequest's ids already are one) is read through numpy
-            # without a copy, checked there and copied once into the int64 tensor: cheaper
-            # than Python's max() over the ids and torch's frombuffer() on an int64 array,
-            # though that wraps without a copy.
-            packed = pack_ids(request.prompt_ids)
-            ids = (
-                self._numpy.frombuffer(packed, dtype=self._numpy.uint32)
-                if isinstance(packed, array.array)
-                else None  # an id past 32 bits
-            )
-            vocab = self.model.config.vocab_size
-            if ids is None or ids.max() >= vocab:
-                raise InvalidRequest(
-                    "the prompt's token ids (input_ids or input_ids_b64) hold an id outside "
-                    f"the vocabulary (0..{vocab - 1})"
-                )
-            return self._torch.from_numpy(ids.astype(self._numpy.int64).reshape(1, -1))
-        if request.messages is not None:
-            # The template writes the special tokens (a BOS where the model wants one).
-            text = self.chat.render(request.messages)
-            return self.tokenizer.encode(text, add_bos=False, encode_special_tokens=True)
-        return self.tokenizer.encode(request.prompt or "", add_bos=True)
 
     def _sampler(self, request: EngineRequest) -> Any:
         return sampler_settings(*sampling_settings(request.sampling))

@@ -17,7 +17,6 @@ in results.py, so nothing else sees them:
 
 from __future__ import annotations
 
-import array
 import importlib.metadata
 import importlib.util
 import logging
@@ -39,7 +38,8 @@ from exlq.worker.engines.base import (
     describe_error,
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
-from exlq.worker.engines.engine_request import EngineRequest, pack_ids
+from exlq.worker.engines.engine_request import EngineRequest
+from exlq.worker.engines.exllama_prompt import prompt_tensor
 from exlq.worker.engines.exllamav3.device_wait import run_wait_work_after_forward
 from exlq.worker.engines.exllamav3.results import outputs_of
 from exlq.worker.engines.exllamav3.sampling import sampler_for
@@ -109,12 +109,10 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
     name = "exllamav3"
 
     def __init__(self, model_dir: Path, capacity: int, settings: ExLlamaV3Settings) -> None:
-        import numpy
         import torch
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
         self._torch = torch
-        self._numpy = numpy
         self.capacity = capacity
         self.version = importlib.metadata.version("exllamav3")
         config = Config.from_directory(str(model_dir))
@@ -183,7 +181,7 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
     def add(self, job_id: str, request: EngineRequest) -> None:
         from exllamav3 import Job
 
-        input_ids = self._encode(request)
+        input_ids = prompt_tensor(request, self.tokenizer, self.chat, self.vocab_size)
         prompt_tokens = int(input_ids.shape[-1])
         if prompt_tokens + request.max_new_tokens > self.max_seq_len:
             raise InvalidRequest(
@@ -230,27 +228,6 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
         from exlq.worker.engines.exllamav3.constraint_filter import ConstraintFilter
 
         return [ConstraintFilter(self.tokenizer, constraint, self.vocab_size)]
-
-    def _encode(self, request: EngineRequest) -> Any:
-        """The prompt as exllamav3 takes it: int64 ids on the CPU, shape (1, tokens)."""
-        if request.prompt_ids is not None:
-            packed = pack_ids(request.prompt_ids)
-            ids = (
-                self._numpy.frombuffer(packed, dtype=self._numpy.uint32)
-                if isinstance(packed, array.array)
-                else None  # an id past 32 bits
-            )
-            if ids is None or not len(ids) or ids.max() >= self.vocab_size:
-                raise InvalidRequest(
-                    "the prompt's token ids (input_ids or input_ids_b64) hold an id outside "
-                    f"the vocabulary (0..{self.vocab_size - 1})"
-                )
-            return self._torch.from_numpy(ids.astype(self._numpy.int64).reshape(1, -1))
-        if request.messages is not None:
-            # The template writes the special tokens (a BOS where the model wants one).
-            text = self.chat.render(request.messages)
-            return self.tokenizer.encode(text, add_bos=False, encode_special_tokens=True)
-        return self.tokenizer.encode(request.prompt or "", add_bos=True)
 
     def cancel(self, job_id: str) -> JobEnded | None:
         entry = self._jobs.pop(job_id, None)
