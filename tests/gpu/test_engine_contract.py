@@ -17,6 +17,7 @@ import pytest
 from exlq.producer import AsyncProducer, DoneEvent, JobFailed, TokenEvent
 from exlq.protocol.models import GenerationRequest, InvalidRequest
 from exlq.worker.engines.base import Engine, JobEnded, TokenChunk
+from tests.gpu.engine_runs import run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,27 +56,6 @@ def engine(request: pytest.FixtureRequest, smollm2: tuple[Path, Any, Any]) -> It
     assert loaded.info()["structured_output"] == "on"
     yield loaded
     loaded.close()
-
-
-def run(engine: Engine, requests: dict[str, GenerationRequest]) -> dict[str, Any]:
-    for job_id, request in requests.items():
-        engine.add(job_id, request)
-    ids: dict[str, list[int]] = {job_id: [] for job_id in requests}
-    chunks: dict[str, list[TokenChunk]] = {job_id: [] for job_id in requests}
-    texts = dict.fromkeys(requests, "")
-    ends: dict[str, JobEnded] = {}
-    while len(ends) < len(requests):
-        for out in engine.step():
-            if isinstance(out, TokenChunk):
-                ids[out.job_id] += out.token_ids
-                chunks[out.job_id].append(out)
-                texts[out.job_id] += out.text
-            elif isinstance(out, JobEnded):
-                ends[out.job_id] = out
-            else:
-                raise AssertionError(f"{out}")
-    assert engine.active_jobs == 0
-    return {"ids": ids, "texts": texts, "ends": ends, "chunks": chunks}
 
 
 def chat(prompt: str = PROMPT, max_new_tokens: int = 48, **fields: Any) -> GenerationRequest:

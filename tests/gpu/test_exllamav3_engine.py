@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from exlq.protocol.models import GenerationRequest
+from tests.gpu.engine_runs import run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,7 +81,6 @@ def test_greedy_text_equals_exllamav3s_own_generator(smollm2: tuple[Path, Any, A
     import torch
 
     from exlq.worker.engines import build_engine
-    from exlq.worker.engines.base import JobEnded, TokenChunk
     from exlq.worker.settings import WorkerSettings
 
     model_dir = smollm2[0]
@@ -89,27 +89,18 @@ def test_greedy_text_equals_exllamav3s_own_generator(smollm2: tuple[Path, Any, A
     )
     engine = build_engine("exllamav3", settings.load_request())
     try:
-        for n, prompt in enumerate(PROMPTS):
-            engine.add(
-                str(n),
-                GenerationRequest(
-                    prompt=prompt,
-                    max_new_tokens=NEW_TOKENS,
-                    sampling={"temperature": 0.0},
-                    logprobs=3 if n == 0 else 0,
-                ),
+        requests = {
+            str(n): GenerationRequest(
+                prompt=prompt,
+                max_new_tokens=NEW_TOKENS,
+                sampling={"temperature": 0.0},
+                logprobs=3 if n == 0 else 0,
             )
-        got: dict[int, tuple[str, list[int]]] = {n: ("", []) for n in range(len(PROMPTS))}
-        choices: list[Any] = []
-        ended = 0
-        while ended < len(PROMPTS):
-            for out in engine.step():
-                if isinstance(out, TokenChunk):
-                    text, ids = got[int(out.job_id)]
-                    got[int(out.job_id)] = (text + out.text, ids + out.token_ids)
-                    choices += out.logprobs or []
-                elif isinstance(out, JobEnded):
-                    ended += 1
+            for n, prompt in enumerate(PROMPTS)
+        }
+        out = run(engine, requests)
+        got = {n: (out["texts"][str(n)], out["ids"][str(n)]) for n in range(len(PROMPTS))}
+        choices = out["logprobs"]["0"]
         eos_ids = list(engine._eos_ids)  # type: ignore[attr-defined]
     finally:
         engine.close()

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from exlq.protocol.models import GenerationRequest, InvalidRequest
-from exlq.worker.engines.base import Engine, TokenChunk
+from exlq.worker.engines.base import Engine
+from tests.gpu.engine_runs import run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,20 +51,6 @@ def engine(model_dir: Path) -> Iterator[Engine]:
     assert loaded.info()["structured_output"] == "on"
     yield loaded
     loaded.close()
-
-
-def run(engine: Engine, requests: dict[str, GenerationRequest]) -> dict[str, Any]:
-    for job_id, request in requests.items():
-        engine.add(job_id, request)
-    chunks: dict[str, list[TokenChunk]] = {job_id: [] for job_id in requests}
-    ends: dict[str, Any] = {}
-    while len(ends) < len(requests):
-        for out in engine.step():
-            if isinstance(out, TokenChunk):
-                chunks[out.job_id].append(out)
-            else:
-                ends[out.job_id] = out
-    return {"chunks": chunks, "ends": ends}
 
 
 def greedy(prompt: str = PROMPT, **fields: Any) -> GenerationRequest:

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from exlq.protocol.models import GenerationRequest
-from exlq.worker.engines.base import Engine, JobEnded, TokenChunk
+from exlq.worker.engines.base import Engine
+from tests.gpu.engine_runs import run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,26 +64,6 @@ def engine(smollm2: tuple[Path, Any, Any]) -> Iterator[Engine]:
     loaded = load(smollm2[0])
     yield loaded
     loaded.close()
-
-
-def run(engine: Engine, requests: dict[str, GenerationRequest]) -> dict[str, Any]:
-    for job_id, request in requests.items():
-        engine.add(job_id, request)
-    ids: dict[str, list[int]] = {job_id: [] for job_id in requests}
-    logprobs: dict[str, list[Any]] = {job_id: [] for job_id in requests}
-    texts = dict.fromkeys(requests, "")
-    ends: dict[str, Any] = {}
-    while len(ends) < len(requests):
-        for out in engine.step():
-            if isinstance(out, TokenChunk):
-                ids[out.job_id] += out.token_ids
-                logprobs[out.job_id] += out.logprobs or []
-                texts[out.job_id] += out.text
-            elif isinstance(out, JobEnded):
-                ends[out.job_id] = out
-            else:
-                raise AssertionError(f"{out}")
-    return {"ids": ids, "texts": texts, "ends": ends, "logprobs": logprobs}
 
 
 def chat(prompt: str, max_new_tokens: int = 48, **fields: Any) -> GenerationRequest:
