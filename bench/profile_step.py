@@ -2,6 +2,7 @@
 decode step, the Python functions that cost it (cProfile), and the GPU time (torch profiler).
 
     python -m bench.profile_step --model DIR --jobs 1,64 --cache-tokens 16384
+    python -m bench.profile_step --model DIR --jobs 1,64,128 --graphs --gpu-sampling --overlap-pairs
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from bench.baselines import random_prompt_ids
 
 def build(
     model_dir: str, jobs: int, cache_tokens: int, chunk: int, threads: int, graphs: bool,
-    gpu_sampling: bool,
+    gpu_sampling: bool, gpu_embedding: bool = False,
 ) -> Any:  # fmt: skip
     from exlq.worker.engines.exllamav2.attention import install_attention
     from exlq.worker.engines.exllamav2.load import load_generator, warm_up
@@ -36,6 +37,7 @@ def build(
         max_chunk_size=chunk,
         sampling_threads=threads,
         decode_graphs=graphs,
+        gpu_embedding=gpu_embedding,
     )
     decode_graphs = warm_up(loaded).graphs
     if graphs:
@@ -83,15 +85,49 @@ def timed_steps(generator: Any, steps: int) -> list[float]:
     return walls
 
 
+def streamed_steps(generator: Any, steps: int) -> float:
+    """Wall time per iteration, ms, over `steps` iterations run back to back (as the engine
+    runs them: a step may be launched before the one ahead of it is read)."""
+    import torch
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        generator.iterate()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1000 / steps
+
+
+def overlap_pairs(generator: Any, steps: int, pairs: int = 3) -> dict[str, list[float]]:
+    """The same jobs stepped back to back with overlapped decode steps off and on, in turn:
+    ms per step of each turn."""
+    overlap = generator.overlap
+    if overlap is None:
+        raise SystemExit("no overlapped steps: they need --graphs and --gpu-sampling")
+    turns: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(pairs):
+        for name, enabled in (("off", False), ("on", True)):
+            overlap.enabled = enabled
+            generator.iterate()  # the switch's step (off: the step in flight is read)
+            turns[name].append(streamed_steps(generator, steps))
+    overlap.enabled = True
+    return turns
+
+
 def profile(model_dir: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     loaded, graphs = build(
         model_dir, jobs, args.cache_tokens, args.chunk, args.sampling_threads, args.graphs,
-        args.gpu_sampling,
+        args.gpu_sampling, args.overlap_pairs,
     )  # fmt: skip
     generator = loaded.generator
     fill(generator, model_dir, jobs, args.prompt_tokens, args.max_new_tokens)
+    if args.overlap_pairs:
+        turns = overlap_pairs(generator, args.steps)
+        generator.clear_queue()
+        loaded.unload()
+        return {"jobs": jobs, "overlap_step_ms": turns}
     walls = timed_steps(generator, args.steps)
     padding: dict[str, list[float]] = {}
     if graphs is not None and jobs in graphs.padded:
@@ -160,10 +196,24 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="decode from CUDA graphs")
     ap.add_argument("--gpu-sampling", action="store_true", help="exlq's generator")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="step times only")
+    ap.add_argument(
+        "--overlap-pairs",
+        action="store_true",
+        help="step times with overlapped decode steps off and on, in turn (the embedding "
+        "table on the GPU; with --graphs --gpu-sampling)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = [profile(args.model, int(n), args) for n in args.jobs.split(",")]
     for r in results:
+        if "overlap_step_ms" in r:
+            turns = r["overlap_step_ms"]
+            print(
+                f"== {r['jobs']} jobs, ms/step in turn: overlap off "
+                f"{' / '.join(f'{ms:.2f}' for ms in turns['off'])}, on "
+                f"{' / '.join(f'{ms:.2f}' for ms in turns['on'])}"
+            )
+            continue
         if "gpu_ms_per_step" not in r:
             print(
                 f"== {r['jobs']} jobs, graphs {r['graphs']}, GPU sampling {r['gpu_sampling']}: "

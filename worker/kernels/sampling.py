@@ -94,30 +94,24 @@ def draw(
     return tokens, torch.where(greedy, torch.ones_like(chosen), chosen)
 
 
-def sample_rows(
+def sample_on_device(
     logits: torch.Tensor,
     temperature: list[float],
     top_k: list[int],
     min_p: list[float],
     uniform: list[float],
     vocab_size: int,
-    before_wait: Callable[[], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of device logits (rows, padded vocab).
-
-    Returns host tensors of shape (rows, 1): token ids (int64) and their probabilities
-    (float32), so that row j is `tokens[j : j + 1]`, the shape exllamav2 hands a job. One
-    small copy to the device for the settings and one back for the results, which is the
-    only wait for the GPU; a batch of greedy rows only (known here on the host) needs no
-    distribution at all, just the argmax. ``before_wait`` runs once the sampling is queued on
-    the GPU, before that wait.
-    """
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row of device logits (rows, padded vocab), leaving the result on
+    the device: token ids (rows,) int64 and their probabilities (rows,) float32, or None for
+    the probabilities when every row is greedy (each is then 1). Nothing here waits for the
+    GPU: one small asynchronous copy takes the settings to the device, and a batch of greedy
+    rows only (known here on the host) needs no distribution at all, just the argmax."""
     import torch
 
     logits = logits[:, :vocab_size]  # the output layer's padding is never drawn
     if all(t < GREEDY_BELOW_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k, strict=True)):
-        tokens = _to_host(logits.argmax(dim=-1).unsqueeze(1), before_wait)
-        return tokens, torch.ones(tokens.shape, dtype=torch.float32)
+        return logits.argmax(dim=-1), None
     dev = logits.device
     pinned = dev.type == "cuda"
     settings = torch.tensor([temperature, min_p, uniform], dtype=torch.float32, pin_memory=pinned)
@@ -127,7 +121,32 @@ def sample_rows(
     max_top_k = max((k for k in top_k if 1 < k < vocab_size), default=0)
     probs = sampling_probs(logits, temps, ks, mins, vocab_size, max_top_k)
     greedy = (temps < GREEDY_BELOW_TEMPERATURE) | (ks == 1)
-    tokens, chosen = draw(logits, probs, greedy, us)
+    return draw(logits, probs, greedy, us)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: list[float],
+    top_k: list[int],
+    min_p: list[float],
+    uniform: list[float],
+    vocab_size: int,
+    before_wait: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of device logits (rows, padded vocab), as sample_on_device,
+    and wait for the result.
+
+    Returns host tensors of shape (rows, 1): token ids (int64) and their probabilities
+    (float32), so that row j is `tokens[j : j + 1]`, the shape exllamav2 hands a job. The copy
+    back is the only wait for the GPU; ``before_wait`` runs once the sampling is queued on
+    the GPU, before that wait.
+    """
+    import torch
+
+    tokens, chosen = sample_on_device(logits, temperature, top_k, min_p, uniform, vocab_size)
+    if chosen is None:
+        host_tokens = _to_host(tokens.unsqueeze(1), before_wait)
+        return host_tokens, torch.ones(host_tokens.shape, dtype=torch.float32)
     out = _to_host(torch.stack([tokens.double(), chosen.double()], dim=1), before_wait)
     return out[:, :1].long(), out[:, 1:].float()
 

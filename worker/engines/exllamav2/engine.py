@@ -188,6 +188,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         batcher = getattr(self.generator, "prefill_batcher", None)
         self.decode_graphs = self.graphs is not None
         self.gpu_sampling = bool(getattr(self.generator, "gpu_sampling", False))
+        self.overlapped_steps = getattr(self.generator, "overlap", None) is not None
         self.prefill_batch_tokens = batcher.budget_tokens if batcher else 0
         self.admit_prompt_tokens = int(getattr(self.generator, "admit_prompt_tokens", 0))
         self.max_seq_len = min(self.generator.max_seq_len, cache_tokens)
@@ -211,13 +212,14 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
         self._seeds = random.Random()
         log.info(
             "exllamav2 ready: %s (%s), cache %d tokens, capacity %d, attention %s, CUDA graphs "
-            "%s, sampling on the %s, embedding table on the %s, prefill %s, %s",
+            "%s%s, sampling on the %s, embedding table on the %s, prefill %s, %s",
             model.name,
             where_loaded(self.model),
             cache_tokens,
             self.capacity,
             attention,
             "on" if self.decode_graphs else "off",
+            " (decode steps overlapped)" if self.overlapped_steps else "",
             "GPU where it can" if self.gpu_sampling else "CPU",
             "GPU" if self.gpu_embedding else "CPU",
             (
@@ -239,6 +241,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
             "attention": self.attention,
             "decode_graphs": "on" if self.decode_graphs else "off",
             "gpu_sampling": "on" if self.gpu_sampling else "off",
+            "overlapped_steps": "on" if self.overlapped_steps else "off",
             "prefill_batch_tokens": str(self.prefill_batch_tokens),
             "admit_prompt_tokens": str(self.admit_prompt_tokens),
             "gpu_embedding": "on" if self.gpu_embedding else "off",

@@ -25,6 +25,11 @@ A decode step runs its wait_work (Engine.set_wait_work), if set, once its forwar
 sampling are queued on the GPU and before it waits for the sampled tokens: the engine loop
 sends the previous step's report there, while the GPU works.
 
+Once warm_up has captured the decode graphs (use_overlap), a decode step whose jobs all
+sample on the GPU and accept their tokens as sampled is launched from the tokens of the step
+before, still on the GPU, and the host reads that step's tokens while the GPU runs this one
+(overlap.py); a step with any other job first reads the step in flight, then runs to its end.
+
 With admit_prompt_tokens > 0 a step starts only as many waiting jobs as hold that many
 prompt tokens together (prefill_plan.jobs_to_start), where exllamav2 starts every one that
 fits: a burst starts in slices, and its first jobs decode while the rest prefill.
@@ -53,9 +58,11 @@ from exlq.worker.engines.exllamav2.grammar_masks import GrammarMasks, grammar_en
 from exlq.worker.engines.exllamav2.job_buffers import install_on_demand_buffers
 from exlq.worker.engines.exllamav2.job_rng import install_job_rng
 from exlq.worker.engines.exllamav2.logprobs import top_logprobs
+from exlq.worker.engines.exllamav2.overlap import OverlappedDecode
 from exlq.worker.engines.exllamav2.page_search import narrowed_page_search
 from exlq.worker.engines.exllamav2.prefill import PrefillBatcher
 from exlq.worker.engines.exllamav2.prefill_plan import jobs_to_start
+from exlq.worker.engines.exllamav2.sampleable import gpu_sampleable
 from exlq.worker.kernels.paged_attention import TILE_CLASS_ROWS
 from exlq.worker.kernels.sampling import sample_rows
 
@@ -88,38 +95,6 @@ def make_dynamic_generator(
         prefill_batch_tokens=prefill_batch_tokens,
         admit_prompt_tokens=admit_prompt_tokens,
         **kwargs,
-    )
-
-
-def gpu_sampleable(job: Any) -> bool:
-    """True when this step of `job` needs nothing but temperature, top_k and min_p."""
-    s = job.gen_settings
-    blocked = (job.checkpoint and job.checkpoint["offset"] == 0) or (
-        job.new_tokens < job.min_new_tokens
-    )
-    return (
-        job.new_tokens >= 0  # token healing samples from a prefix-restricted set
-        and not blocked
-        and not job.filters
-        and len(job.sequences) == 1  # CFG runs two
-        and not job.return_logits
-        and s.cfg_scale is None
-        and s.token_repetition_penalty == 1.0
-        and s.token_frequency_penalty == 0.0
-        and s.token_presence_penalty == 0.0
-        and s.token_bias is None
-        and s.dry_multiplier == 0.0
-        and s.xtc_probability == 0.0
-        and not s.mirostat
-        and not s.post_sampling_hooks
-        and not s.temperature_last
-        and s.smoothing_factor == 0.0
-        and s.skew == 0.0
-        and not s.max_temp > s.min_temp
-        and s.top_a == 0.0
-        and not 0.0 < s.top_p < 1.0
-        and not 0.0 < s.tfs < 1.0
-        and not 0.0 < s.typical < 1.0
     )
 
 
@@ -176,6 +151,8 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             shape, dtype = self.logits_pinned.shape, self.logits_pinned.dtype
             self.logits_pinned = torch.empty(shape, dtype=dtype, pin_memory=True)
         self._grammar_masks = GrammarMasks(self.max_batch_size)
+        # Decode steps launched from the step before's sampled tokens (use_overlap).
+        self.overlap: OverlappedDecode | None = None
         # The prefill loop's search for a partially matching page looks only at pages that
         # could match (page_search.py); False searches every page, as exllamav2 does.
         self.narrow_page_search = True
@@ -274,13 +251,58 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
             return narrowed_page_search(self)
         return contextlib.nullcontext()
 
+    def use_overlap(self, graphs: Any) -> bool:
+        """Overlap decode steps (overlap.py) from now on, replaying them from `graphs`
+        (DecodeGraphs), where this generator can: GPU sampling on, no drafting, graphs that
+        start from token ids. Returns whether it does."""
+        if not self.gpu_sampling or self.draft_model or self.use_ngram_draft:
+            return False
+        if not graphs.takes_ids:
+            return False
+        self.overlap = OverlappedDecode(self, graphs)
+        return True
+
+    def clear_queue(self) -> None:
+        if self.overlap is not None:
+            self.overlap.in_flight = None
+        super().clear_queue()
+
     def iterate_gen(self, results: list[Any], draft_tokens: Any = None) -> None:
         if draft_tokens is not None:
             super().iterate_gen(results, draft_tokens)
             return
         jobs = [job for job in self.active_jobs if job.is_prefill_done()]
-        if not jobs:
-            return
+        num_jobs = self.num_remaining_jobs()
+        overlap = self.overlap
+        if overlap is not None and overlap.can_run(jobs):
+            completed = self._overlapped_step(overlap, jobs, results)
+        else:
+            if overlap is not None and overlap.in_flight is not None:
+                # A job needs the host's view of its last token first: read the step in
+                # flight, then run this one to its end.
+                self._retire(overlap.finish(overlap.in_flight, results, fed=None))
+                overlap.in_flight = None
+                jobs = [job for job in self.active_jobs if job.is_prefill_done()]
+            completed = self._step(jobs, results) if jobs else []
+        self._retire(completed)
+        if num_jobs and not self.num_remaining_jobs():
+            self.defrag_cache()
+
+    def _overlapped_step(
+        self, overlap: OverlappedDecode, jobs: list[Any], results: list[Any]
+    ) -> list[Any]:
+        """Launch this step from the tokens of the step in flight, then read that one while
+        the GPU runs this one; returns the jobs that ended."""
+        prior = overlap.in_flight
+        step = overlap.launch(jobs)
+        if self.wait_work is not None:
+            self.wait_work()
+        ended = overlap.finish(prior, results, fed=step) if prior is not None else []
+        overlap.in_flight = step
+        return ended
+
+    def _step(self, jobs: list[Any], results: list[Any]) -> list[Any]:
+        """One decode step of `jobs` run to its end; returns the jobs that ended."""
         device_logits = self._forward(jobs)
         if self.filter_queue:
             for f, p in self.filter_queue:
@@ -289,13 +311,12 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
                 else:
                     f.background_next(self.filter_pool)
             self.filter_queue.clear()
-        completed = self._sample_and_accept(jobs, device_logits, results)
-        num_jobs = self.num_remaining_jobs()
-        for job in completed:
+        return self._sample_and_accept(jobs, device_logits, results)
+
+    def _retire(self, ended: list[Any]) -> None:
+        for job in ended:
             job.deallocate_pages()
             self.active_jobs.remove(job)
-        if num_jobs and not self.num_remaining_jobs():
-            self.defrag_cache()
 
     def _forward(self, jobs: list[Any]) -> Any:
         """One decode forward pass over `jobs` (one row each): device logits (rows, 1, vocab)."""

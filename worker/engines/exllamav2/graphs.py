@@ -320,10 +320,9 @@ class DecodeGraphs:
         self.model.__dict__.pop("forward_chunk", None)
 
     def forward_chunk(self, input_ids: Any, **kwargs: Any) -> Any:
-        rows = self._rows_for(input_ids, kwargs)
-        if rows is None:
+        if self._rows_for(input_ids, kwargs) is None:
             return self._eager(input_ids, **kwargs)
-        return self._replay(rows, input_ids, kwargs["attn_params"])
+        return self._replay(input_ids, kwargs["attn_params"])
 
     def _rows_for(self, input_ids: Any, kwargs: dict[str, Any]) -> int | None:
         """The size of the graph that replays this call (its batch, or the padded size), or
@@ -346,16 +345,44 @@ class DecodeGraphs:
             return None
         return self.padded.get(batch, batch)
 
-    def _replay(self, rows: int, input_ids: Any, params: Any) -> dict[str, Any]:
-        batch = int(input_ids.shape[0])
-        width = int(params.block_index.shape[1])
+    def _replay(self, input_ids: Any, params: Any) -> dict[str, Any]:
         step_input = input_ids if self._embed_in_graph else self._embedding.forward(input_ids)
+        logits = self.replay(step_input, params.block_index, params.cache_seqlens)
+        return {"logits": logits}
+
+    @property
+    def takes_ids(self) -> bool:
+        """Whether a replay starts from token ids (the embedding table is on the GPU), so
+        that a step's ids may come from tokens the GPU sampled (replay's `carried`)."""
+        return self._embed_in_graph
+
+    def fits(self, batch: int, width: int) -> bool:
+        """Whether a decode step of `batch` jobs whose block table is `width` pages wide
+        replays a graph."""
+        return batch in self._graphs and width <= self.max_pages
+
+    def replay(
+        self,
+        step_input: Any,
+        block_index: Any,
+        cache_seqlens: Any,
+        carried: tuple[Any, Any] | None = None,
+    ) -> Any:
+        """Replay the graph for a batch of `step_input` rows (ids, or embedded rows where the
+        embedding table is in system memory), with its block table and sequence lengths (host
+        tensors); returns the step's device logits (batch, 1, vocab), valid until the next
+        replay. `carried`: (tokens, rows), device tensors: the ids of the batch's rows[1]
+        are tokens[rows[0]], taken on the device after the host's ids are copied, so a step
+        can start from tokens the GPU sampled before the host has read them."""
+        batch = int(step_input.shape[0])
+        rows = self.padded.get(batch, batch)
+        width = int(block_index.shape[1])
         self._copied.synchronize()
         self._stage_input[:batch].copy_(step_input)
-        self._stage_block_index[:batch, :width].copy_(params.block_index)
+        self._stage_block_index[:batch, :width].copy_(block_index)
         if width < self.max_pages:
             self._stage_block_index[:batch, width:].zero_()
-        self._stage_seqlens[:batch].copy_(params.cache_seqlens)
+        self._stage_seqlens[:batch].copy_(cache_seqlens)
         if rows > batch:
             # The spare rows repeat the first job: the same keys and values to the same slot.
             self._stage_input[batch:rows].copy_(self._stage_input[0])
@@ -368,9 +395,14 @@ class DecodeGraphs:
             self._block_index[:rows].copy_(self._stage_block_index[:rows], non_blocking=True)
             self._seqlens[:rows].copy_(self._stage_seqlens[:rows], non_blocking=True)
             self._copied.record(self._stream)
+            if carried is not None:
+                tokens, index = carried
+                self._input[index[1], 0] = tokens[index[0]]
+                if rows > batch:
+                    self._input[batch:rows].copy_(self._input[:1].expand(rows - batch, -1))
             self._graphs[rows].replay()
         self.replays += 1
-        return {"logits": self._logits[:batch]}
+        return self._logits[:batch]
 
 
 def decode_graphs_for(generator: Any, max_batch: int, q_len: int = 1) -> DecodeGraphs:

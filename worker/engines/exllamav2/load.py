@@ -128,8 +128,12 @@ class WarmedUp:
 def warm_up(loaded: LoadedGenerator) -> WarmedUp:
     """What the worker's engine does before it takes a job: exllamav2's warm-up, compiling
     the batched prefill's kernels (exlq's generator), then capturing the decode step's CUDA
-    graphs for 1..max_batch_size jobs where the load asked for them (decode_graphs)."""
+    graphs for 1..max_batch_size jobs where the load asked for them (decode_graphs), from
+    which exlq's generator then overlaps its decode steps where it can (overlap.py)."""
     generator = loaded.generator
     generator.warmup()
     prefill_seconds = generator.warm_up_prefill() if hasattr(generator, "warm_up_prefill") else None
-    return WarmedUp(loaded.capture_graphs(), prefill_seconds)
+    graphs = loaded.capture_graphs()
+    if graphs is not None and hasattr(generator, "use_overlap"):
+        generator.use_overlap(graphs)
+    return WarmedUp(graphs, prefill_seconds)
