@@ -128,10 +128,22 @@ def _drive(engine: Engine, stop_token: int) -> tuple[_Record, int]:
             record.ids["joins-late"] = []
         record.take(engine.step())
         steps += 1
-        assert steps < 2000, "the jobs never ended"
+        if steps == 2000:
+            stuck = _describe_unfinished(engine)
+            engine.abort_all()  # the module's next test starts from an empty engine
+            raise AssertionError(f"the jobs never ended: {stuck}")
     assert not record.after_cancel, "a cancelled job got tokens"
     assert engine.active_jobs == 0
     return record, steps
+
+
+def _describe_unfinished(engine: Any) -> str:
+    generator = engine.generator
+    return "; ".join(
+        f"{job.identifier}: {job.new_tokens} new, kv_position {job.sequences[0].kv_position} "
+        f"of {len(job.sequences[0].sequence_ids)} tokens"
+        for job in [*generator.active_jobs, *generator.pending_jobs]
+    )
 
 
 def test_overlapped_steps_give_each_job_what_steps_run_to_their_end_give(engine: Any) -> None:

@@ -295,11 +295,10 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         the GPU runs this one; returns the jobs that ended."""
         prior = overlap.in_flight
         step = overlap.launch(jobs)
-        if self.wait_work is not None:
-            self.wait_work()
-        ended = overlap.finish(prior, results, fed=step) if prior is not None else []
         overlap.in_flight = step
-        return ended
+        if step is not None and self.wait_work is not None:
+            self.wait_work()  # once a launched step, as a step run to its end does
+        return overlap.finish(prior, results, fed=step) if prior is not None else []
 
     def _step(self, jobs: list[Any], results: list[Any]) -> list[Any]:
         """One decode step of `jobs` run to its end; returns the jobs that ended."""

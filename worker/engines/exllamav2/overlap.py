@@ -97,6 +97,11 @@ class OverlappedDecode:
             seq = job.sequences[0]
             if job.time_first_token is None:
                 job.time_first_token = now
+            # exllamav2 leaves this unset for a job whose whole prompt came from a partially
+            # matching page, and then runs its prefill() every step; that skips kv_position
+            # over any full page at it, which a booking ahead of exllamav2's own (finish())
+            # would make it do. A job in decode has no prefill left.
+            seq.prefill_complete = True
             prior_row = in_flight.get(id(job))
             if prior_row is None:
                 ids[row] = job.get_input_ids_list(add_to_cache=True)[0][0]
