@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -64,6 +65,17 @@ def describe_error(exc: BaseException) -> str:
 
 class EngineDead(RuntimeError):
     """The engine can serve nothing more; the process should exit so it is restarted."""
+
+
+def reset_gpu_engine(drop_jobs: Callable[[], object], torch: Any) -> None:
+    """A GPU engine's abort_all after a failed step: drop every job (`drop_jobs`), then wait
+    for the GPU. EngineDead where either fails: a CUDA error is sticky, nothing will run
+    again."""
+    try:
+        drop_jobs()
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise EngineDead(f"the GPU cannot run more after a failed step: {exc}") from exc
 
 
 class Engine(ABC):

@@ -25,7 +25,6 @@ from exlq.protocol.models import (
 from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
-    EngineDead,
     EngineOutput,
     EngineUnavailable,
     JobEnded,
@@ -34,6 +33,7 @@ from exlq.worker.engines.base import (
     TokenChunk,
     UsesDeviceWait,
     describe_error,
+    reset_gpu_engine,
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest, sampling_settings
@@ -450,11 +450,7 @@ class ExLlamaV2Engine(Engine, PreparesJobs, UsesDeviceWait):
     def abort_all(self) -> list[str]:
         ids = [*self._jobs, *self._unbuilt.clear()]
         self._jobs.clear()
-        try:
-            self.generator.clear_queue()
-            self._torch.cuda.synchronize()
-        except Exception as exc:  # a CUDA error is sticky: nothing will run again
-            raise EngineDead(f"cannot reset the generator: {exc}") from exc
+        reset_gpu_engine(self.generator.clear_queue, self._torch)
         return ids
 
     @property

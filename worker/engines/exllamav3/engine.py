@@ -29,13 +29,13 @@ from exlq.protocol.models import InvalidRequest
 from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
-    EngineDead,
     EngineOutput,
     EngineUnavailable,
     JobEnded,
     JobErrored,
     UsesDeviceWait,
     describe_error,
+    reset_gpu_engine,
 )
 from exlq.worker.engines.chat_template import ChatFormatter, generation_eos_ids
 from exlq.worker.engines.engine_request import EngineRequest
@@ -262,11 +262,7 @@ class ExLlamaV3Engine(Engine, UsesDeviceWait):
     def abort_all(self) -> list[str]:
         ids = list(self._jobs)
         self._jobs.clear()
-        try:
-            self.generator.clear_queue()
-            self._torch.cuda.synchronize()
-        except Exception as exc:  # a CUDA error is sticky: nothing will run again
-            raise EngineDead(f"cannot reset the generator: {exc}") from exc
+        reset_gpu_engine(self.generator.clear_queue, self._torch)
         return ids
 
     @property

@@ -20,12 +20,12 @@ from exlq.protocol.models import FinishReason, InvalidRequest, TokenChoices, Tok
 from exlq.worker.engines.base import (
     CacheUsage,
     Engine,
-    EngineDead,
     EngineOutput,
     EngineUnavailable,
     JobEnded,
     JobErrored,
     TokenChunk,
+    reset_gpu_engine,
 )
 from exlq.worker.engines.engine_request import EngineRequest
 from exlq.worker.engines.registry import LoadRequest
@@ -172,12 +172,10 @@ class TransformersEngine(Engine):
         ids = list(self._jobs)
         self._jobs.clear()
         self._waiting.clear()
-        self._batch.clear()
         if self.device.type == "cuda":
-            try:
-                self._torch.cuda.synchronize()
-            except Exception as exc:  # a CUDA error is sticky: nothing will run again
-                raise EngineDead(f"the GPU cannot run more: {exc}") from exc
+            reset_gpu_engine(self._batch.clear, self._torch)
+        else:
+            self._batch.clear()
         return ids
 
     @property
