@@ -18,9 +18,12 @@ its last (max_new_tokens) is left out of step k.
 
 The host's view of a job in flight lags by one token: its sequence ends a token short, so
 its row of step k reads one more cached token than its kv_position says, and its block
-table reaches one token further. finish() then accepts the token (receive_sample) and books
-it into the job's page (get_input_ids_list(add_to_cache=True)), in the order exllamav2's own
-step does both.
+table reaches one token further. finish() then accepts the token (receive_sample) and, as
+the step that took it on the device has run, books it into the job's page at once
+(get_input_ids_list(add_to_cache=True)); exllamav2 books a token when the step that feeds it
+is launched, one iteration later. A page is thus full one iteration sooner, which only a
+job's prefill() reads, and only for a job exllamav2 never marked prefilled (its whole prompt
+found in a partially matching page): launch() marks every job it runs prefilled.
 """
 
 from __future__ import annotations
@@ -98,9 +101,9 @@ class OverlappedDecode:
             if job.time_first_token is None:
                 job.time_first_token = now
             # exllamav2 leaves this unset for a job whose whole prompt came from a partially
-            # matching page, and then runs its prefill() every step; that skips kv_position
-            # over any full page at it, which a booking ahead of exllamav2's own (finish())
-            # would make it do. A job in decode has no prefill left.
+            # matching page, and then runs its prefill() every step, which moves kv_position
+            # past a full page at it: with finish()'s booking, one token too early. A job in
+            # decode has no prefill left.
             seq.prefill_complete = True
             prior_row = in_flight.get(id(job))
             if prior_row is None:
