@@ -100,13 +100,14 @@ class OverlappedDecode:
             seq = job.sequences[0]
             if job.time_first_token is None:
                 job.time_first_token = now
-            # exllamav2 leaves this unset for a job whose whole prompt came from a partially
-            # matching page, and then runs its prefill() every step, which moves kv_position
-            # past a full page at it: with finish()'s booking, one token too early. A job in
-            # decode has no prefill left.
-            seq.prefill_complete = True
             prior_row = in_flight.get(id(job))
             if prior_row is None:
+                # A job's first step here (a job carried was marked in that one). exllamav2
+                # leaves this unset for a job whose whole prompt came from a partially
+                # matching page, and then runs its prefill() every step, which moves
+                # kv_position past a full page at it: with finish()'s booking, one token too
+                # early. A job in decode has no prefill left.
+                seq.prefill_complete = True
                 ids[row] = job.get_input_ids_list(add_to_cache=True)[0][0]
                 length, cached = len(seq.sequence_ids), seq.kv_position
             else:
