@@ -371,9 +371,11 @@ class DecodeGraphs:
         """Replay the graph for a batch of `step_input` rows (ids, or embedded rows where the
         embedding table is in system memory), with its block table and sequence lengths (host
         tensors); returns the step's device logits (batch, 1, vocab), valid until the next
-        replay. `carried`: (tokens, rows), device tensors: the ids of the batch's rows[1]
-        are tokens[rows[0]], taken on the device after the host's ids are copied, so a step
-        can start from tokens the GPU sampled before the host has read them."""
+        replay. `carried`: (tokens, rows): ids taken on the device from `tokens` (device) after
+        the host's ids are copied, so a step can start from tokens the GPU sampled before the
+        host has read them. `rows` is a count k (rows 0..k-1 take tokens[0..k-1], the usual
+        step, whose jobs keep their rows: one copy) or a device index (2, n): rows[1] take
+        tokens[rows[0]]."""
         batch = int(step_input.shape[0])
         rows = self.padded.get(batch, batch)
         width = int(block_index.shape[1])
@@ -397,7 +399,11 @@ class DecodeGraphs:
             self._copied.record(self._stream)
             if carried is not None:
                 tokens, index = carried
-                self._input[index[1], 0] = tokens[index[0]]
+                ids = self._input[:, 0]
+                if isinstance(index, int):
+                    ids[:index].copy_(tokens[:index])
+                else:
+                    ids.index_copy_(0, index[1], tokens.index_select(0, index[0]))
                 if rows > batch:
                     self._input[batch:rows].copy_(self._input[:1].expand(rows - batch, -1))
             self._graphs[rows].replay()

@@ -20,10 +20,11 @@ The host's view of a job in flight lags by one token: its sequence ends a token 
 its row of step k reads one more cached token than its kv_position says, and its block
 table reaches one token further. finish() then accepts the token (receive_sample) and, as
 the step that took it on the device has run, books it into the job's page at once
-(get_input_ids_list(add_to_cache=True)); exllamav2 books a token when the step that feeds it
-is launched, one iteration later. A page is thus full one iteration sooner, which only a
-job's prefill() reads, and only for a job exllamav2 never marked prefilled (its whole prompt
-found in a partially matching page): launch() marks every job it runs prefilled.
+(book_token: what get_input_ids_list(add_to_cache=True) does for one token); exllamav2
+books a token when the step that feeds it is launched, one iteration later. A page is thus
+full one iteration sooner, which only a job's prefill() reads, and only for a job exllamav2
+never marked prefilled (its whole prompt found in a partially matching page): launch()
+marks every job it runs prefilled.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from exllamav2.ext import none_tensor
 
+from exlq.worker.engines.exllamav2.page_booking import book_token
 from exlq.worker.engines.exllamav2.sampleable import overlappable
 from exlq.worker.kernels.sampling import sample_on_device
 
@@ -117,10 +119,13 @@ class OverlappedDecode:
             pages = job.get_block_index(seq, length)
             block_index[row, : pages.shape[-1]] = pages
             seqlens[row] = cached
-        carried = None
+        carried: tuple[Any, Any] | None = None
         if prior is not None and carried_from:
-            index = torch.tensor([carried_from, carried_to], dtype=torch.long, pin_memory=True)
-            carried = (prior.tokens, index.to(prior.tokens.device, non_blocking=True))
+            if carried_from == carried_to and carried_to[-1] == len(carried_to) - 1:
+                carried = (prior.tokens, len(carried_to))  # the jobs kept their rows
+            else:  # a job before them ended, or the rows moved
+                index = torch.tensor([carried_from, carried_to], dtype=torch.long, pin_memory=True)
+                carried = (prior.tokens, index.to(prior.tokens.device, non_blocking=True))
         logits = self._graphs.replay(ids, block_index, seqlens, carried)
         settings = [job.gen_settings for job in jobs]
         tokens, probs = sample_on_device(
@@ -150,19 +155,24 @@ class OverlappedDecode:
         has it booked into its page. Returns the jobs that ended."""
         step.ready.synchronize()
         tokens = step.host[:, :1].long()
-        probs = step.host[:, 1:].float()
+        token_ids = tokens[:, 0].tolist()
+        # Each row's (1, 1) token and probability, as receive_sample takes them: split at
+        # once rather than sliced job by job.
+        token_rows = tokens.split(1)
+        prob_rows = step.host[:, 1:].float().split(1)
         running = {id(job) for job in self._generator.active_jobs}  # not cancelled since
         fed_jobs = {id(job) for job in fed.jobs} if fed is not None else set()
+        page_size = self._generator.page_size
         ended = []
         for row, job in enumerate(step.jobs):
             if id(job) not in running:
                 continue
             eos, _ = job.receive_sample(
                 None,
-                tokens[row : row + 1],
+                token_rows[row],
                 none_tensor,
                 none_tensor,
-                probs[row : row + 1],
+                prob_rows[row],
                 False,
                 results,
                 True,
@@ -170,7 +180,7 @@ class OverlappedDecode:
             if eos:
                 ended.append(job)
             elif id(job) in fed_jobs:
-                job.get_input_ids_list(add_to_cache=True)
+                book_token(job, token_ids[row], page_size)
         return ended
 
 
