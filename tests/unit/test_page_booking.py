@@ -60,20 +60,27 @@ def test_a_token_that_opens_a_page_goes_to_its_first_position() -> None:
     assert pages[1].kv_position == 1
 
 
-@pytest.mark.parametrize(
-    ("ids", "kv_position", "page"),
-    [
-        ([1, 2, 3], 1, _Page(kv_position=1)),  # two tokens waiting
-        ([1, 2], 1, _Page(kv_position=1, ref_count=2)),  # a page shared with another job
-        ([1, 2, 3, 4, 5, 6], 5, _Page(kv_position=PAGE)),  # its page already full
-    ],
-)
-def test_anything_else_goes_through_exllamav2s_own_booking(
-    ids: list[int], kv_position: int, page: _Page
-) -> None:
+def test_more_than_one_waiting_token_goes_through_exllamav2s_own_booking() -> None:
+    page = _Page(kv_position=1)
     before = page.sequence.clone()
-    filled = [_Page(kv_position=PAGE) for _ in range(kv_position // PAGE)]
-    job = _Job(ids=ids, kv_position=kv_position, pages=[*filled, page, _Page()])
+    job = _Job(ids=[1, 2, 3], kv_position=1, pages=[page])
     book_token(job, 9, PAGE)
     assert job.own_bookings == 1
     assert torch.equal(page.sequence, before)
+
+
+@pytest.mark.parametrize(
+    ("page", "error"),
+    [
+        (_Page(kv_position=1, ref_count=2), "share"),
+        (_Page(kv_position=PAGE), "full page"),
+    ],
+)
+def test_a_broken_page_table_fails_with_an_error_not_a_write(page: _Page, error: str) -> None:
+    before = page.sequence.clone()
+    # One token cached, one waiting: it goes to the first page, the one under test.
+    job = _Job(ids=[1, 2], kv_position=1, pages=[page])
+    with pytest.raises(RuntimeError, match=error):
+        book_token(job, 9, PAGE)
+    assert torch.equal(page.sequence, before)
+    assert job.own_bookings == 0

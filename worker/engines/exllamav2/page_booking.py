@@ -10,15 +10,19 @@ from typing import Any
 
 def book_token(job: Any, token: int, page_size: int) -> None:
     """Write `token`, the one token `job` has accepted and not booked, into its page, which
-    moves on by one. With anything else waiting, exllamav2's own booking runs."""
+    moves on by one. With anything else waiting, exllamav2's own booking runs. A page
+    shared with other jobs or already full raises RuntimeError."""
     seq = job.sequences[0]
     if len(seq.sequence_ids) - seq.kv_position != 1:
         job.get_input_ids_list(add_to_cache=True)
         return
     page = seq.allocated_pages[seq.kv_position // page_size]
-    if page.ref_count != 1 or page.kv_position >= page_size:
-        job.get_input_ids_list(add_to_cache=True)  # exllamav2's own checks and errors
-        return
+    # exllamav2 asserts the first and would loop for ever on the second; both are a broken
+    # page table, which fails the step (and its jobs) with this error.
+    if page.ref_count != 1:
+        raise RuntimeError(f"a token would be written into a page {page.ref_count} jobs share")
+    if page.kv_position >= page_size:
+        raise RuntimeError("a token would be written past the end of a full page")
     page.sequence[0, page.kv_position] = token
     page.kv_position += 1
     page.can_revert = False
