@@ -104,8 +104,9 @@ class PipeSink:
         started = time.perf_counter()
         self._writer.send_bytes(encode_report(report))
         self._clocks.sink_s += time.perf_counter() - started
-        self.tokens += ended_tokens(report.outputs)
-        self.left -= sum(isinstance(o, (JobEnded, JobErrored)) for o in report.outputs)
+        jobs, tokens = endings(report.outputs)
+        self.left -= jobs
+        self.tokens += tokens
         if self.left <= 0 and not self.done.is_set():
             self.ended_at = time.perf_counter()
             self.done.set()
@@ -115,9 +116,10 @@ class PipeSink:
         self._drain.wait(10)
 
 
-def ended_tokens(outputs: Sequence[EngineOutput]) -> int:
-    """The completion tokens of the jobs these outputs end."""
-    return sum(o.completion_tokens for o in outputs if isinstance(o, JobEnded))
+def endings(outputs: Sequence[EngineOutput]) -> tuple[int, int]:
+    """How many jobs these outputs end (done or failed), and the tokens of those done."""
+    ends = [o for o in outputs if isinstance(o, (JobEnded, JobErrored))]
+    return len(ends), sum(o.completion_tokens for o in ends if isinstance(o, JobEnded))
 
 
 def timed(call: Callable[[], Any], add: Callable[[float], None]) -> Callable[[], Any]:
@@ -225,9 +227,9 @@ class LoopCost:
         started = time.perf_counter()
         left, tokens = len(prompts), 0
         while left:
-            outputs = self.engine.step()
-            tokens += ended_tokens(outputs)
-            left -= sum(isinstance(o, (JobEnded, JobErrored)) for o in outputs)
+            jobs, made = endings(self.engine.step())
+            left -= jobs
+            tokens += made
             if time.perf_counter() - started > RUN_TIMEOUT_S:
                 raise RuntimeError(f"the bare loop's jobs did not end in {RUN_TIMEOUT_S:.0f} s")
         wall = time.perf_counter() - started
