@@ -3,12 +3,14 @@ next step before the host reads their token (engines/exllamav2/sampleable.py).""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from exlq.worker.engines.exllamav2.sampleable import gpu_sampleable, overlappable
+from exlq.worker.engines.exllamav2.sampleable import gpu_sampleable, overlappable, row_settings
+from exlq.worker.kernels.sampling import RowSettings
 
 
 def _settings(**changes: Any) -> SimpleNamespace:
@@ -93,3 +95,43 @@ def test_jobs_that_need_the_hosts_view_of_each_token_sample_on_the_gpu_but_do_no
 )
 def test_jobs_exllamav2_samples_on_the_cpu_neither_sample_on_the_gpu_nor_overlap(job: Any) -> None:
     assert not gpu_sampleable(job) and not overlappable(job)
+
+
+def test_a_steps_row_settings_are_its_jobs_in_order_each_drawing_once_from_its_own_generator() -> (
+    None
+):
+    seeded = [random.Random(7), random.Random(8)]
+    jobs = [
+        _job(_settings(temperature=0.0, top_k=1, min_p=0.0), rng=random.Random(7)),
+        _job(_settings(temperature=0.7, top_k=40, min_p=0.05), rng=random.Random(8)),
+    ]
+    rows = row_settings(jobs)
+    assert rows == RowSettings(
+        temperature=[0.0, 0.7],
+        top_k=[1, 40],
+        min_p=[0.0, 0.05],
+        uniform=[seeded[0].random(), seeded[1].random()],
+    )
+    # One draw each: the next step draws each job's second number.
+    assert row_settings(jobs).uniform == [seeded[0].random(), seeded[1].random()]
+
+
+def test_the_device_sampler_takes_greedy_rows_to_their_argmax_and_draws_the_others() -> None:
+    torch = pytest.importorskip("torch")
+    from exlq.worker.kernels.sampling import sample_on_device
+
+    # Two real tokens and a padding column the output layer adds, never drawn.
+    logits = torch.tensor([[0.0, 3.0, 9.0], [5.0, 0.0, 9.0]])
+    greedy = RowSettings(temperature=[0.0, 0.0], top_k=[0, 0], min_p=[0.0, 0.0], uniform=[0.5] * 2)
+    tokens, probs = sample_on_device(logits, greedy, vocab_size=2)
+    assert tokens.tolist() == [1, 0] and probs is None
+    # Row 0 greedy; row 1 at temperature 1 with u near 1 draws its last real token, never
+    # the padding, with that token's probability.
+    mixed = RowSettings(
+        temperature=[0.0, 1.0], top_k=[0, 0], min_p=[0.0, 0.0], uniform=[0.5, 0.999]
+    )
+    tokens, probs = sample_on_device(logits, mixed, vocab_size=2)
+    assert tokens.tolist() == [1, 1]
+    assert probs is not None
+    assert probs[0].item() == 1.0
+    assert probs[1].item() == pytest.approx(torch.softmax(torch.tensor([5.0, 0.0]), 0)[1].item())

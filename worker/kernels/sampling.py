@@ -23,12 +23,21 @@ exllamav2's sampler: see worker/engines/exllamav2/generator.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
 GREEDY_BELOW_TEMPERATURE = 0.01  # exllamav2: temperature < 0.01 samples greedily
+
+
+class RowSettings(NamedTuple):
+    """Each row's settings, in row order, and the uniform number in [0, 1) it draws with."""
+
+    temperature: list[float]
+    top_k: list[int]
+    min_p: list[float]
+    uniform: list[float]
 
 
 def sampling_probs(
@@ -95,12 +104,7 @@ def draw(
 
 
 def sample_on_device(
-    logits: torch.Tensor,
-    temperature: list[float],
-    top_k: list[int],
-    min_p: list[float],
-    uniform: list[float],
-    vocab_size: int,
+    logits: torch.Tensor, rows: RowSettings, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one token per row of device logits (rows, padded vocab), leaving the result on
     the device: token ids (rows,) int64 and their probabilities (rows,) float32, or None for
@@ -109,6 +113,7 @@ def sample_on_device(
     rows only (known here on the host) needs no distribution at all, just the argmax."""
     import torch
 
+    temperature, top_k, min_p, uniform = rows
     logits = logits[:, :vocab_size]  # the output layer's padding is never drawn
     if all(t < GREEDY_BELOW_TEMPERATURE or k == 1 for t, k in zip(temperature, top_k, strict=True)):
         return logits.argmax(dim=-1), None
@@ -126,10 +131,7 @@ def sample_on_device(
 
 def sample_rows(
     logits: torch.Tensor,
-    temperature: list[float],
-    top_k: list[int],
-    min_p: list[float],
-    uniform: list[float],
+    rows: RowSettings,
     vocab_size: int,
     before_wait: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +145,7 @@ def sample_rows(
     """
     import torch
 
-    tokens, chosen = sample_on_device(logits, temperature, top_k, min_p, uniform, vocab_size)
+    tokens, chosen = sample_on_device(logits, rows, vocab_size)
     if chosen is None:
         host_tokens = _to_host(tokens.unsqueeze(1), before_wait)
         return host_tokens, torch.ones(host_tokens.shape, dtype=torch.float32)

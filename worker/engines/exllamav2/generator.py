@@ -62,7 +62,7 @@ from exlq.worker.engines.exllamav2.overlap import OverlappedDecode
 from exlq.worker.engines.exllamav2.page_search import narrowed_page_search
 from exlq.worker.engines.exllamav2.prefill import PrefillBatcher
 from exlq.worker.engines.exllamav2.prefill_plan import jobs_to_start
-from exlq.worker.engines.exllamav2.sampleable import gpu_sampleable
+from exlq.worker.engines.exllamav2.sampleable import gpu_sampleable, row_settings
 from exlq.worker.kernels.paged_attention import TILE_CLASS_ROWS
 from exlq.worker.kernels.sampling import sample_rows
 
@@ -474,16 +474,10 @@ class ExlqDynamicGenerator(ExLlamaV2DynamicGenerator):  # type: ignore[misc]
         else:
             index = torch.tensor(rows, dtype=torch.long).to(device_logits.device)
             logits = device_logits[:, 0, :].index_select(0, index)
-        settings = [jobs[i].gen_settings for i in indices]
         tokens, probs = sample_rows(
             logits,
-            temperature=[s.temperature for s in settings],
-            top_k=[s.top_k for s in settings],
-            min_p=[s.min_p for s in settings],
-            # One draw per job and step from the job's own generator, as exllamav2 does,
-            # so a seeded job repeats itself.
-            uniform=[jobs[i].rng.random() for i in indices],
-            vocab_size=self.tokenizer.get_vocab_size(),
+            row_settings([jobs[i] for i in indices]),
+            self.tokenizer.get_vocab_size(),
             before_wait=self.wait_work,
         )
         return {i: (tokens[j : j + 1], probs[j : j + 1]) for j, i in enumerate(indices)}

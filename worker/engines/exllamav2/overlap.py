@@ -37,7 +37,7 @@ import torch
 from exllamav2.ext import none_tensor
 
 from exlq.worker.engines.exllamav2.page_booking import book_token
-from exlq.worker.engines.exllamav2.sampleable import overlappable
+from exlq.worker.engines.exllamav2.sampleable import overlappable, row_settings
 from exlq.worker.kernels.sampling import sample_on_device
 
 
@@ -127,15 +127,8 @@ class OverlappedDecode:
                 index = torch.tensor([carried_from, carried_to], dtype=torch.long, pin_memory=True)
                 carried = (prior.tokens, index.to(prior.tokens.device, non_blocking=True))
         logits = self._graphs.replay(ids, block_index, seqlens, carried)
-        settings = [job.gen_settings for job in jobs]
         tokens, probs = sample_on_device(
-            logits[:, 0, :],
-            temperature=[s.temperature for s in settings],
-            top_k=[s.top_k for s in settings],
-            min_p=[s.min_p for s in settings],
-            # One draw per job and step from the job's own generator, as exllamav2 does.
-            uniform=[job.rng.random() for job in jobs],
-            vocab_size=gen.tokenizer.get_vocab_size(),
+            logits[:, 0, :], row_settings(jobs), gen.tokenizer.get_vocab_size()
         )
         if probs is None:
             probs = torch.ones_like(tokens, dtype=torch.float64)

@@ -1,10 +1,14 @@
-"""Which jobs a decode step may sample on the GPU, and which of those may also be fed to
-the next step before the host has read their token (overlap.py). Plain attribute checks
-on exllamav2 0.3.2's job and sampler settings; no exllamav2 import."""
+"""Which jobs a decode step may sample on the GPU, which of those may also be fed to the
+next step before the host has read their token (overlap.py), and the GPU sampler's
+settings for a step of them (row_settings). Plain attribute reads of exllamav2 0.3.2's job
+and sampler settings; no exllamav2 import."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from exlq.worker.kernels.sampling import RowSettings
 
 
 def gpu_sampleable(job: Any) -> bool:
@@ -51,4 +55,17 @@ def overlappable(job: Any) -> bool:
         and job.banned_strings_utf32_offsets is None
         and not job.return_top_tokens
         and not job.min_new_tokens
+    )
+
+
+def row_settings(jobs: Sequence[Any]) -> RowSettings:
+    """The GPU sampler's settings for a step of `jobs` (gpu_sampleable), one row each, with
+    one draw from each job's own generator, as exllamav2 draws once a step: a seeded job
+    repeats itself."""
+    settings = [job.gen_settings for job in jobs]
+    return RowSettings(
+        temperature=[s.temperature for s in settings],
+        top_k=[s.top_k for s in settings],
+        min_p=[s.min_p for s in settings],
+        uniform=[job.rng.random() for job in jobs],
     )
