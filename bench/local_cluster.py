@@ -44,6 +44,21 @@ def find_cluster_server() -> str | None:
     return None
 
 
+def distinct_free_ports(count: int, take: Callable[[], int] = free_port) -> list[int]:
+    """``count`` ports free now and all different: the system may hand the same free port
+    out twice while no server has bound it yet, and two nodes on one port cannot both start."""
+    ports: list[int] = []
+    for _ in range(100 * count):
+        if len(ports) == count:
+            break
+        port = take()
+        if port not in ports:
+            ports.append(port)
+    if len(ports) < count:
+        raise RuntimeError(f"found {len(ports)} different free ports of the {count} asked for")
+    return ports
+
+
 @dataclass
 class Node:
     port: int
@@ -87,8 +102,10 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
         self._dir = tempfile.TemporaryDirectory(prefix="exlq-cluster-")
-        for _ in range(self.masters * (1 + self.replicas)):
-            self.nodes.append(self._start_node(Path(self._dir.name)))
+        count = self.masters * (1 + self.replicas)
+        ports = distinct_free_ports(2 * count)
+        for port, bus_port in zip(ports[:count], ports[count:], strict=True):
+            self.nodes.append(self._start_node(Path(self._dir.name), port, bus_port))
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
             node.node_id = _wait_for(partial(_my_id, node), deadline).decode()
@@ -112,8 +129,7 @@ class LocalCluster:
         self.wait_healthy(deadline - time.monotonic())
         return self
 
-    def _start_node(self, root: Path) -> Node:
-        port, bus_port = free_port(), free_port()
+    def _start_node(self, root: Path, port: int, bus_port: int) -> Node:
         folder = root / str(port)
         folder.mkdir()
         return Node(port, bus_port, self._run(folder, port, bus_port))
