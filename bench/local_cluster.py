@@ -204,7 +204,11 @@ class LocalCluster:
             self._dir.cleanup()
 
     def __enter__(self) -> LocalCluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()  # the nodes that did start, and their folder
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,3 +206,19 @@ async def test_events_go_on_the_queues_shard_and_a_v1_producer_still_hears_its_o
                 kinds.append(json.loads(message["data"])["type"])
     await listener.aclose()
     assert kinds[-1] == "done" and "token" in kinds  # every event, on the v1 channel
+
+
+class _NeverHealthy(LocalCluster):
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        raise TimeoutError("the cluster did not come up")
+
+
+def test_a_cluster_that_fails_to_start_leaves_no_server_running(
+    redis_cluster: LocalCluster,
+) -> None:
+    failing = _NeverHealthy(redis_cluster.binary, masters=1, replicas=1)
+    with pytest.raises(TimeoutError), failing:
+        pytest.fail("a cluster that never became healthy was entered")
+    assert len(failing.nodes) == 2
+    assert not any(node.alive for node in failing.nodes)
+    assert failing._dir is not None and not Path(failing._dir.name).exists()
