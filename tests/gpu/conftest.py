@@ -15,6 +15,21 @@ import pytest
 # have torch for the transformers engine, deselect them (-m "not gpu") and skip collecting.
 collect_ignore_glob = [] if importlib.util.find_spec("exllamav2") else ["test_*.py"]
 
+# Every test here is a GPU test; third-party warnings from the GPU stack (torch, Triton,
+# exllamav2, transformers) are not this project's to fix.
+GPU_TEST_MARKS = (
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marks each test of this folder as it is collected, before -m selects."""
+    for mark in GPU_TEST_MARKS:
+        item.add_marker(mark)
+
 
 @pytest.fixture(scope="session")
 def cuda() -> None:

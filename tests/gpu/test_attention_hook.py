@@ -7,14 +7,6 @@ import importlib.metadata
 import inspect
 import re
 
-import pytest
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 
 def test_exllamav2_still_calls_flash_attn_with_kvcache_the_way_we_serve_it(cuda: None) -> None:
     from exlq.worker.engines.exllamav2.attention import PINNED_EXLLAMAV2, check_hook_points

@@ -9,12 +9,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 
 def _prompts(vocab: int) -> list[list[int]]:
     """Ragged lengths (one page, several pages, one past max_chunk_size so it prefills in two

@@ -10,12 +10,6 @@ import pytest
 
 from tests.gpu.greedy import compare_replay_with_eager, greedy_tokens_and_logits
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 # Ragged on purpose: one page, several pages, a page boundary crossed mid-generation, and
 # jobs ending at different steps so the batch shrinks through several captured sizes.
 PROMPT_TOKENS = [5, 100, 300, 600, 250, 40, 511]

@@ -7,15 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.gpu.greedy import compare_replay_with_eager, greedy_tokens_and_logits
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
 
 JOBS = 40  # the batch shrinks from 40 rows, through 32, to a few
 PROMPT_TOKENS = [5 + (37 * i) % 300 for i in range(JOBS)]

@@ -12,12 +12,6 @@ import pytest
 
 from tests.gpu.greedy import greedy_tokens_and_logits
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 PROMPTS = [7, 300, 129, 600]  # tokens per job: one page, several, a partial last page
 NEW_TOKENS = 24
 

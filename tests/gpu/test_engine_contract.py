@@ -19,13 +19,6 @@ from exlq.protocol.models import GenerationRequest, InvalidRequest
 from exlq.worker.engines.base import Engine, JobEnded, TokenChunk
 from tests.gpu.engine_runs import run
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
 ENGINES = ["exllamav2", "exllamav3"]
 PROMPT = "Write a short story about a lighthouse keeper and the sea."
 SCHEMA = {

@@ -9,14 +9,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = [
-    pytest.mark.gpu,
-    # Third-party warnings from the GPU stack are not this project's to fix.
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Any:

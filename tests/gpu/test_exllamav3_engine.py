@@ -13,13 +13,6 @@ import pytest
 from exlq.protocol.models import GenerationRequest
 from tests.gpu.engine_runs import run
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
 PROMPTS = [
     "The lighthouse keeper looked at the sea and",
     "A list of the planets of the solar system:",

@@ -14,13 +14,6 @@ from exlq.protocol.models import GenerationRequest, InvalidRequest
 from exlq.worker.engines.base import Engine
 from tests.gpu.engine_runs import run
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
 PROMPT = "The queue holds jobs and the workers take them in turn"
 SCHEMA = {
     "type": "object",

@@ -10,12 +10,6 @@ import pytest
 
 from tests.gpu.greedy import seeded_tokens
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 VOCAB = 32000
 PADDED = 32032  # the output layer's padding: never drawn
 

@@ -11,12 +11,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 HELD = ["held_tokens", "held_k_tokens", "held_k_probs", "held_probs", "held_logits"]
 
 

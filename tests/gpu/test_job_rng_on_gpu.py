@@ -14,12 +14,6 @@ import pytest
 
 from tests.gpu.greedy import seeded_tokens
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 
 def test_exllamav2_uses_random_only_for_the_jobs_generator(cuda: None) -> None:
     """Fails loudly if exllamav2 0.3.2's dynamic module reads anything but ``Random`` from

@@ -16,13 +16,6 @@ import pytest
 from exlq.protocol.models import GenerationRequest
 from exlq.worker.engines.base import Engine, JobEnded, TokenChunk
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
 QUESTIONS = [
     "What is the capital of France? Answer in one word.",
     "Write a haiku about the sea.",

@@ -9,15 +9,7 @@ import inspect
 import random
 from typing import Any
 
-import pytest
-
 from tests.gpu.greedy import run_greedy
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
 
 
 def _run_jobs(generator: Any, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:

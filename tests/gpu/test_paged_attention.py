@@ -30,11 +30,6 @@ if not INTERPRET and not torch.cuda.is_available():
         allow_module_level=True,
     )
 
-pytestmark = [
-    pytest.mark.gpu,
-    # Triton 3.6's interpreter turns 1-element loop bounds into ints in a way numpy deprecates.
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 TOLERANCE = 2e-2

@@ -16,12 +16,6 @@ import pytest
 from exlq.protocol.models import GenerationRequest
 from exlq.worker.engines.base import Engine, EngineUnavailable, JobEnded, JobErrored, TokenChunk
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
-
 JOBS = 6
 NEW_TOKENS = 32
 NEAR_TIE = 0.1  # nats between the top two: fp16 sums in another order can turn these

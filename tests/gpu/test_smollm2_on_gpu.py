@@ -18,13 +18,6 @@ from exlq.protocol.models import GenerationRequest
 from exlq.worker.engines.base import Engine
 from tests.gpu.engine_runs import run
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
 PROMPTS = [
     "What is the capital of France? Answer in one word.",
     "Write a haiku about the sea.",

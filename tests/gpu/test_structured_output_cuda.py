@@ -13,8 +13,6 @@ import pytest
 from exlq.protocol.models import GenerationRequest
 from tests.ws_tokenizer import EOS_TOKEN, make_tokenizer_folder
 
-pytestmark = pytest.mark.gpu
-
 torch: Any = pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 
