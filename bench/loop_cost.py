@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.exlq_path import add_engine_options, engine_options, worker_options
+from bench.placement import on_cpus
 from exlq.protocol.models import GenerationRequest, Sampling
 from exlq.worker.engine_loop import EngineLoop, StepReport
 from exlq.worker.engine_process import encode_report
@@ -369,16 +370,16 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_options(ap)
     args = ap.parse_args(argv)
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
-    if args.stepper_cpu >= 0 and args.stepper_cpu in os.sched_getaffinity(0):
-        os.sched_setaffinity(0, {args.stepper_cpu})  # the loop's thread inherits it
-    engine, model = load(args)
-    freeze_startup_heap()  # as the engine process does once its engine has loaded
-    cost = LoopCost(engine, model, args.max_new_tokens)
-    try:
-        runs = measure(cost, args)
-    finally:
-        cost.close()
-        engine.close()
+    pinned = args.stepper_cpu >= 0 and args.stepper_cpu in os.sched_getaffinity(0)
+    with on_cpus(frozenset({args.stepper_cpu}) if pinned else None):  # the loop's thread too
+        engine, model = load(args)
+        freeze_startup_heap()  # as the engine process does once its engine has loaded
+        cost = LoopCost(engine, model, args.max_new_tokens)
+        try:
+            runs = measure(cost, args)
+        finally:
+            cost.close()
+            engine.close()
     summary = summarize(runs)
     print(markdown(summary))
     if args.out is not None:

@@ -320,30 +320,24 @@ class DecodeGraphs:
         self.model.__dict__.pop("forward_chunk", None)
 
     def forward_chunk(self, input_ids: Any, **kwargs: Any) -> Any:
-        if self._rows_for(input_ids, kwargs) is None:
+        if not self._replays(input_ids, kwargs):
             return self._eager(input_ids, **kwargs)
         return self._replay(input_ids, kwargs["attn_params"])
 
-    def _rows_for(self, input_ids: Any, kwargs: dict[str, Any]) -> int | None:
-        """The size of the graph that replays this call (its batch, or the padded size), or
-        None when the call runs eagerly."""
+    def _replays(self, input_ids: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether a graph replays this call (else it runs eagerly)."""
         if not kwargs.keys() <= _DECODE_KWARGS or kwargs.get("cache") is not self.cache:
-            return None
+            return False
         if kwargs.get("loras") or kwargs.get("indexed_embeddings"):
-            return None
+            return False
         params = kwargs.get("attn_params")
         if not isinstance(params, self._paged_params) or params.page_size != self._page_size:
-            return None
+            return False
         if params.alt_rope_embed or params.rope_offsets is not None:
-            return None
+            return False
         if input_ids.dim() != 2 or input_ids.shape[1] != self.q_len:
-            return None
-        if params.block_index.shape[1] > self.max_pages:
-            return None
-        batch = int(input_ids.shape[0])
-        if batch not in self._graphs:
-            return None
-        return self.padded.get(batch, batch)
+            return False
+        return self.fits(int(input_ids.shape[0]), int(params.block_index.shape[1]))
 
     def _replay(self, input_ids: Any, params: Any) -> dict[str, Any]:
         step_input = input_ids if self._embed_in_graph else self._embedding.forward(input_ids)
